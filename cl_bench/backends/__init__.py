@@ -1,0 +1,1 @@
+"""Training backends behind one interface: `train_stage(method, optimizer, epochs, ...)`."""

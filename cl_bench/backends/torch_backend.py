@@ -1,0 +1,53 @@
+"""The single-process PyTorch backend: the optimisation loop of one stage."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from cl_bench.config import RunConfig
+from cl_bench.data import IGNORE, epoch_order, steps
+from cl_bench.method import Method, Stage
+
+StepCallback = Callable[[int, dict[str, float]], None]
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, config: RunConfig, device: torch.device):
+        self.config = config
+        self.device = device
+
+    def train_stage(self, method: Method, optimizer: torch.optim.Optimizer, stage: Stage,
+                    epochs: list[list[dict]], pad_id: int,
+                    on_step: StepCallback | None = None) -> int:
+        """Run every optimiser step of `stage`; `epochs[e]` holds the tokenised rows of
+        epoch e. Micro-batch losses are weighted by their share of the step's answer
+        tokens, so a step's gradient does not depend on how it is split. Returns the
+        number of steps taken."""
+        t = self.config.train
+        model = method.model
+        model.train()
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        step = 0
+        for epoch, rows in enumerate(epochs):
+            order = epoch_order(len(rows), self.config.seed, stage.index, epoch)
+            for batch in steps(rows, order, t.batch_size, t.micro_batch_size, pad_id):
+                optimizer.zero_grad(set_to_none=True)
+                parts_sum: dict[str, float] = {}
+                for micro in batch.micro_batches:
+                    micro = {k: v.to(self.device) for k, v in micro.items()}
+                    weight = int((micro["labels"] != IGNORE).sum()) / max(batch.n_tokens, 1)
+                    loss, parts = method.loss(micro, step)
+                    (loss * weight).backward()
+                    for key, value in parts.items():
+                        parts_sum[key] = parts_sum.get(key, 0.0) + value * weight
+                if t.grad_clip > 0:
+                    parts_sum["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip))
+                optimizer.step()
+                method.after_step(step)
+                if on_step is not None:
+                    on_step(step, parts_sum)
+                step += 1
+        return step

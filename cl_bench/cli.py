@@ -1,0 +1,243 @@
+"""`cl-bench`: run | list | leaderboard | score | perf.
+
+Bad input raises UserError anywhere below; here it becomes one line on stderr
+and exit code 2 (a traceback only with --debug).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from cl_bench.errors import UserError
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+def _kv(text: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"'{text}' is not key=value")
+    key, value = text.split("=", 1)
+    return key.strip(), value.strip()
+
+
+def _add_run(sub) -> None:
+    p = sub.add_parser("run", help="train a method over a TRACE task sequence and score it",
+                       description="Train a continual-learning method task after task, evaluate "
+                                   "after each stage, and write <output-dir>/<run-id>/run.json.")
+    p.add_argument("--method", help="method name (see `cl-bench list`); default seqft")
+    p.add_argument("--model", help="smollm2-135m | tiny-llama | a local HF directory | a hub id")
+    p.add_argument("--profile", default="cpu", help="smoke | cpu | paper (default cpu)")
+    p.add_argument("--config", type=Path, help="YAML file of config fields (profile <- file <- flags)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--data-dir", help="TRACE data root (default: $CL_BENCH_DATA, then conventional places)")
+    p.add_argument("--order", help="paper6 | trace8 | comma-separated task names")
+    p.add_argument("--n-train", type=int, help="training examples per task")
+    p.add_argument("--n-test", type=int, help="test examples per task")
+    p.add_argument("--output-dir", help="where run folders go (default runs/)")
+    p.add_argument("--run-id", help="the run folder's name (default <method>-<time>-<random>)")
+    p.add_argument("--method-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE",
+                   help="a method argument (repeatable); see `cl-bench list --verbose`")
+    p.add_argument("--set", type=_kv, action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="any config field, e.g. train.epochs=2 (repeatable)")
+    p.add_argument("--eval-all", action="store_true",
+                   help="evaluate every task at every stage plus a zero-shot row (for FWT)")
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue an interrupted run")
+    p.add_argument("--keep-checkpoint", action="store_true",
+                   help="keep the last checkpoint (weights, optimiser) after the run completes")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _overrides(args) -> dict:
+    from cl_bench.config import set_dotted
+
+    raw: dict = {}
+    for key in ("method", "model", "seed", "output_dir", "run_id"):
+        if getattr(args, key) is not None:
+            raw[key] = getattr(args, key)
+    if args.profile:
+        raw["profile"] = args.profile
+    data = {k: getattr(args, a) for k, a in (("data_dir", "data_dir"), ("order", "order"),
+                                              ("n_train", "n_train"), ("n_test", "n_test"))
+            if getattr(args, a) is not None}
+    if data:
+        raw["data"] = data
+    if args.eval_all:
+        raw.setdefault("eval", {})["eval_all"] = True
+    if args.method_arg:
+        raw["method_args"] = dict(args.method_arg)
+    for key, value in args.set:
+        set_dotted(raw, key, value)
+    return raw
+
+
+def cmd_run(args) -> int:
+    from cl_bench import config as cfg
+    from cl_bench import sequencer
+    from cl_bench.report import format_matrix
+
+    config = None
+    if args.resume is None:
+        overrides = _overrides(args)
+        config = cfg.resolve(overrides.pop("profile", "cpu"), args.config, overrides)
+    run = sequencer.prepare(config, args.resume, progress=not args.no_progress)
+    try:
+        record = sequencer.execute(run, keep_checkpoint=args.keep_checkpoint)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; the finished stages are saved. Resume with:\n"
+              f"  cl-bench run --resume {run.run_dir}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(format_matrix(record))
+    print(f"\nrun record: {run.run_dir / 'run.json'}")
+    return 0
+
+
+def cmd_list(args) -> int:
+    from cl_bench import registry
+
+    methods = registry.available()
+    width = max((len(n) for n in methods), default=10)
+    for name, cls in sorted(methods.items()):
+        tags = [t for t, on in (("reference", cls.reference), ("replay", cls.uses_replay)) if on]
+        alias = f" (alias: {', '.join(cls.aliases)})" if cls.aliases else ""
+        print(f"{name:<{width}}  {cls.description}{alias}" + (f"  [{', '.join(tags)}]" if tags else ""))
+        if args.verbose:
+            for arg, typ, default in cls.arg_table():
+                print(f"{'':<{width}}    {arg}: {typ} = {default!r}")
+    for b in registry.broken():
+        print(f"{'(broken)':<{width}}  {b.source}: {b.error}")
+    return 0
+
+
+def cmd_leaderboard(args) -> int:
+    from cl_bench import leaderboard
+
+    table = leaderboard.build_table(leaderboard.load_runs(args.runs))
+    print(leaderboard.format_table(table, args.format), end="")
+    if args.update_readme:
+        leaderboard.update_readme(args.update_readme, leaderboard.format_table(table, "md"))
+    return 0
+
+
+def cmd_score(args) -> int:
+    from cl_bench.benchmarks.trace import get_task
+    from cl_bench.metrics import scorers
+
+    spec = get_task(args.task)
+    rows = _read_predictions(args.predictions, args.task, args.stage)
+    preds = [r["prediction"].strip() for r in rows]
+    answers = [r["answer"] for r in rows]
+    prompts = [r["prompt"] for r in rows]
+    score = scorers.score(spec.metric, preds, answers, prompts)
+    print(json.dumps({"task": spec.name, "metric": spec.metric, "score": score, "n": len(rows)}))
+    return 0
+
+
+def _read_predictions(path: Path, task: str, stage: int | None) -> list[dict]:
+    """Lines of {"prompt", "prediction", "answer"}; lines that carry "task"/"stage"
+    fields (cl-bench's own predictions.jsonl) are filtered to --task/--stage."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read predictions ({exc.strerror}); check the path") from None
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}:{n}: not valid JSON ({exc.msg}); each line must be one "
+                            f"JSON object") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{path}:{n}: a line must be a JSON object with prompt, prediction, answer")
+        for key in ("prompt", "prediction", "answer"):
+            if not isinstance(row.get(key), str):
+                found = type(row[key]).__name__ if key in row else "nothing"
+                raise UserError(f"{path}:{n}: field '{key}' must be a string, found {found}; "
+                                f"fix that line")
+        if "task" in row and row["task"] != task:
+            continue
+        if stage is not None and row.get("stage") != stage:
+            continue
+        rows.append(row)
+    if not rows:
+        raise UserError(f"{path}: no predictions for task {task}"
+                        + (f" at stage {stage}" if stage is not None else "")
+                        + "; check --task and --stage")
+    return rows
+
+
+def cmd_perf(args) -> int:
+    from cl_bench import perf
+
+    result = perf.run(args.what, args)
+    print(json.dumps(result, indent=2))
+    if args.output:
+        from cl_bench.results import write_json
+
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        write_json(args.output, {"command": " ".join(["cl-bench", *sys.argv[1:]]), **result})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cl-bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_run(sub)
+    p = sub.add_parser("list", help="list methods with one-line descriptions")
+    p.add_argument("--verbose", "-v", action="store_true", help="also show each method's arguments")
+    p = sub.add_parser("leaderboard", help="tables from run records")
+    p.add_argument("--runs", type=Path, default=Path("results"), help="folder of run folders")
+    p.add_argument("--format", choices=["md", "csv", "latex"], default="md")
+    p.add_argument("--update-readme", type=Path, metavar="README",
+                   help="also write the Markdown table between the leaderboard markers of README")
+    p = sub.add_parser("score", help="score predictions made elsewhere")
+    p.add_argument("--task", required=True, help="TRACE task name, e.g. 20Minuten")
+    p.add_argument("--predictions", type=Path, required=True,
+                   help='JSONL, one {"prompt", "prediction", "answer"} per line')
+    p.add_argument("--stage", type=int, help="with cl-bench's predictions.jsonl: which stage")
+    p = sub.add_parser("perf", help="measure generation speed-up or harness overhead")
+    p.add_argument("what", choices=["generation", "harness"])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--task", default="NumGLUE-ds")
+    p.add_argument("--n", type=int, default=32, help="prompts (generation) or examples (harness)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--data-dir")
+    p.add_argument("--output", type=Path, help="also write the result as JSON here")
+    return parser
+
+
+COMMANDS = {"run": cmd_run, "list": cmd_list, "leaderboard": cmd_leaderboard, "score": cmd_score,
+            "perf": cmd_perf}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("transformers", "datasets", "urllib3", "filelock", "httpx", "absl"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        return COMMANDS[args.command](args)
+    except UserError as exc:
+        if args.debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""Run configuration: dataclasses, profiles, and the merge order
+profile defaults <- YAML file (--config) <- CLI flags.
+
+The resolved config is validated once here and recorded whole in the run record;
+later code reads the dataclasses, never raw dicts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cl_bench.errors import UserError
+
+
+@dataclass
+class DataConfig:
+    data_dir: str | None = None  # None: --data-dir, $CL_BENCH_DATA, then conventional places
+    order: str | list[str] = "paper6"  # named order or a list of task names
+    n_train: int | None = None  # training examples per task (None: all)
+    n_test: int | None = None  # test examples per task (None: all)
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 8  # examples per optimiser step
+    micro_batch_size: int = 4  # examples per forward; accumulation = batch_size / micro_batch_size
+    epochs: int = 1  # default epochs per task
+    epochs_per_task: dict[str, int] = field(default_factory=dict)  # overrides by task name
+    grad_clip: float = 1.0  # max global grad norm; 0 turns clipping off
+    max_prompt_len: int = 512  # prompt tokens kept (special tokens included)
+    max_answer_len: int = 256  # answer tokens kept, EOS included
+    truncation: str = "head_tail"  # head_tail: keep instruction + cue; left: TRACE's cut
+    truncation_head: int = 64  # head_tail: prompt tokens kept from the start
+
+    def epochs_for(self, task: str) -> int:
+        return self.epochs_per_task.get(task, self.epochs)
+
+
+@dataclass
+class EvalConfig:
+    batch_size: int = 16  # prompts per generation batch
+    max_new_tokens_cap: int | None = None  # caps every task's max_new_tokens (None: task's own)
+    eval_all: bool = False  # evaluate every task at every stage plus a zero-shot row (FWT)
+
+
+@dataclass
+class RunConfig:
+    method: str = "seqft"
+    method_args: dict[str, Any] = field(default_factory=dict)
+    model: str = "smollm2-135m"
+    profile: str = "cpu"
+    seed: int = 1234
+    output_dir: str = "runs"
+    run_id: str | None = None  # None: <method>-<timestamp>-<random>
+    backend: str = "torch"
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        t = self.train
+        if t.batch_size % t.micro_batch_size:
+            raise UserError(
+                f"train.batch_size={t.batch_size} is not a multiple of train.micro_batch_size="
+                f"{t.micro_batch_size}; set them so micro batches divide the step")
+        if t.truncation not in ("head_tail", "left"):
+            raise UserError(f"train.truncation={t.truncation!r} must be 'head_tail' or 'left'")
+        if t.truncation == "head_tail" and not 0 <= t.truncation_head < t.max_prompt_len:
+            raise UserError(
+                f"train.truncation_head={t.truncation_head} must be in [0, max_prompt_len="
+                f"{t.max_prompt_len})")
+        for name in ("batch_size", "micro_batch_size", "epochs", "max_prompt_len", "max_answer_len"):
+            if getattr(t, name) < 1:
+                raise UserError(f"train.{name}={getattr(t, name)} must be at least 1")
+        if self.eval.batch_size < 1:
+            raise UserError(f"eval.batch_size={self.eval.batch_size} must be at least 1")
+        if self.backend != "torch":
+            raise UserError(f"backend={self.backend!r} is not available; choose 'torch'")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# Profiles: nested overrides of RunConfig defaults. Sizes of `cpu` were measured
+# on 2 CPU cores so that SeqFT over paper6 on SmolLM2 takes about 20 minutes
+# (README, "Profiles").
+PROFILES: dict[str, dict[str, Any]] = {
+    "smoke": {
+        "model": "tiny-llama",
+        "data": {"order": ["C-STANCE", "NumGLUE-cm", "FOMC"], "n_train": 8, "n_test": 4},
+        "train": {"batch_size": 4, "micro_batch_size": 2, "epochs": 1,
+                  "max_prompt_len": 96, "max_answer_len": 16, "truncation_head": 16},
+        "eval": {"batch_size": 4, "max_new_tokens_cap": 8},
+    },
+    "cpu": {
+        "model": "smollm2-135m",
+        "data": {"order": "paper6", "n_train": 48, "n_test": 20},
+        "train": {"batch_size": 8, "micro_batch_size": 4, "epochs": 1,
+                  "max_prompt_len": 256, "max_answer_len": 96, "truncation_head": 48},
+        "eval": {"batch_size": 16, "max_new_tokens_cap": 64},
+    },
+    "paper": {
+        # The upcycling paper's setup (reference/bilevel-reference.md §6): Llama-3.2-1B,
+        # full TRACE data, epochs 8,5,5,5,5,5 over paper6, prompt/answer 512/512.
+        "model": "meta-llama/Llama-3.2-1B-Instruct",
+        "data": {"order": "paper6", "n_train": None, "n_test": None},
+        "train": {"batch_size": 32, "micro_batch_size": 8, "epochs": 5,
+                  "epochs_per_task": {"MeetingBank": 8},
+                  "max_prompt_len": 512, "max_answer_len": 512, "truncation_head": 64},
+        "eval": {"batch_size": 16, "max_new_tokens_cap": 256},
+    },
+}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _unknown(where: str, key: str, valid: list[str]) -> UserError:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return UserError(f"{where}: unknown field '{key}'; {hint}valid fields: {', '.join(valid)}")
+
+
+def parse_value(text: str, typ: Any, where: str) -> Any:
+    """Turn a CLI string into `typ` (int, float, bool, str, Optional[...], list[str], dict)."""
+    origin = typing.get_origin(typ)
+    args = typing.get_args(typ)
+    if origin in (typing.Union, types.UnionType):
+        if text.lower() in ("none", "null") and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return parse_value(text, arg, where)
+            except UserError as exc:
+                errors.append(str(exc))
+        raise UserError(errors[0] if errors else f"{where}: cannot parse {text!r}")
+    if typ is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise UserError(f"{where}={text!r} is not a boolean; use true or false")
+    if typ in (int, float):
+        try:
+            return typ(text)
+        except ValueError:
+            raise UserError(f"{where}={text!r} is not a valid {typ.__name__}") from None
+    if typ is str or typ is Any:
+        return text
+    if origin in (list, tuple):
+        value = yaml.safe_load(text) if text.startswith("[") else text.split(",")
+        return [parse_value(str(v), args[0], where) for v in value] if args else value
+    if origin is dict:
+        value = yaml.safe_load(text)
+        if not isinstance(value, dict):
+            raise UserError(f"{where}={text!r} must be a mapping like {{key: value}}")
+        return value
+    raise UserError(f"{where}: cannot parse a value of type {typ}")
+
+
+def coerce(value: Any, typ: Any, where: str) -> Any:
+    """Check a YAML value against a field type; strings are parsed as on the CLI."""
+    if isinstance(value, str) and typ is not str:
+        return parse_value(value, typ, where)
+    origin = typing.get_origin(typ)
+    args = typing.get_args(typ)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return coerce(value, arg, where)
+            except UserError:
+                continue
+        raise UserError(f"{where}={value!r} does not match the type {typ}")
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ in (int, float, bool, str) and not isinstance(value, typ) or (
+            typ is int and isinstance(value, bool)):
+        raise UserError(f"{where}={value!r} must be a {typ.__name__}")
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise UserError(f"{where}={value!r} must be a list")
+        return [coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)] if args else list(value)
+    if origin is dict and not isinstance(value, dict):
+        raise UserError(f"{where}={value!r} must be a mapping")
+    return value
+
+
+def merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "method_args":
+            out[key] = merge(out[key], value)
+        elif key == "method_args" and isinstance(value, dict):
+            out[key] = {**out.get(key, {}), **value}
+        else:
+            out[key] = value
+    return out
+
+
+_SECTIONS = {"data": DataConfig, "train": TrainConfig, "eval": EvalConfig}
+
+
+def build(raw: dict[str, Any], where: str) -> RunConfig:
+    """Validate a nested dict against RunConfig and construct it."""
+    top = _field_types(RunConfig)
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in top:
+            raise _unknown(where, key, list(top))
+        if key in _SECTIONS:
+            if not isinstance(value, dict):
+                raise UserError(f"{where}: '{key}' must be a mapping of fields")
+            types_ = _field_types(_SECTIONS[key])
+            section = {}
+            for sub, subvalue in value.items():
+                if sub not in types_:
+                    raise _unknown(f"{where}: {key}", sub, list(types_))
+                section[sub] = coerce(subvalue, types_[sub], f"{key}.{sub}")
+            kwargs[key] = _SECTIONS[key](**section)
+        else:
+            kwargs[key] = coerce(value, top[key], key)
+    return RunConfig(**kwargs)
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read the config file ({exc.strerror}); check the path") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise UserError(f"{path}: invalid YAML{at}; fix the syntax") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: the top level must be a mapping of config fields")
+    return data
+
+
+def set_dotted(raw: dict, dotted: str, text: str) -> None:
+    """Apply one `--set section.field=value` override (value parsed later by type)."""
+    parts = dotted.split(".")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = text
+
+
+def resolve(profile: str, config_file: Path | None, overrides: dict[str, Any]) -> RunConfig:
+    """profile defaults <- YAML file <- CLI overrides, validated into a RunConfig."""
+    file_raw = load_yaml(config_file) if config_file else {}
+    profile = overrides.get("profile") or file_raw.get("profile") or profile
+    if profile not in PROFILES:
+        close = difflib.get_close_matches(profile, list(PROFILES), n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise UserError(f"unknown profile '{profile}'; {hint}available: {', '.join(PROFILES)}")
+    raw = merge({"profile": profile, **PROFILES[profile]}, file_raw)
+    raw = merge(raw, overrides)
+    return build(raw, str(config_file) if config_file else "command line")

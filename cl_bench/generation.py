@@ -1,0 +1,76 @@
+"""Batched greedy decoding with left padding and the KV cache.
+
+Prompts are sorted by length (less padding), left-padded so every row's last
+prompt token sits in the final column, run once through the model (prefill,
+logits for the last position only), then extended one token per step from the
+cache. Position ids come from the attention mask, so padded rows see the same
+positions as they would alone. A row stops at EOS; the batch stops when all
+rows have, or at `max_new_tokens`.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+def _cache_name(model: nn.Module) -> str:
+    """transformers renamed `past_key_values` to `cache` (5.x); accept both."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@torch.no_grad()
+def greedy_generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, eos_id: int,
+                    pad_id: int, batch_size: int,
+                    on_batch: Callable[[int], None] | None = None) -> list[list[int]]:
+    """Greedy continuations (token ids, EOS excluded) for each prompt, in input order."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        for i, gen in zip(rows, _generate_batch(model, [prompts[i] for i in rows], max_new_tokens,
+                                                eos_id, pad_id, device)):
+            outputs[i] = gen
+        if on_batch is not None:
+            on_batch(len(rows))
+    model.train(was_training)
+    return outputs
+
+
+def _generate_batch(model, prompts, max_new_tokens, eos_id, pad_id, device):
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):  # left padding
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
+    cache_arg = _cache_name(model)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                logits_to_keep=1)
+    cache = getattr(out, cache_arg)
+    next_tok = out.logits[:, -1].argmax(-1)  # (B,)
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    generated: list[list[int]] = [[] for _ in prompts]
+    last_pos = positions[:, -1:]  # (B, 1)
+    for step in range(max_new_tokens):
+        done |= next_tok == eos_id
+        for row in (~done).nonzero().flatten().tolist():
+            generated[row].append(int(next_tok[row]))
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        last_pos = last_pos + 1
+        feed = torch.where(done, torch.full_like(next_tok, pad_id), next_tok)[:, None]
+        out = model(input_ids=feed, attention_mask=mask, position_ids=last_pos, use_cache=True,
+                    **{cache_arg: cache})
+        cache = getattr(out, cache_arg)
+        next_tok = out.logits[:, -1].argmax(-1)
+    return generated

@@ -1,0 +1,233 @@
+"""Run records -> leaderboard tables (Markdown, CSV, LaTeX), mean ± std over seeds.
+
+Reads `<runs_dir>/**/run.json` (schema_version 1), groups runs by
+(method, model id, profile, task order, reference), aggregates, and formats.
+Nothing here scores or recomputes a metric: the summaries come from the records.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+from tabulate import tabulate
+
+from cl_bench.errors import UserError
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_SCHEMA_VERSION = 1
+FORMATS = ("md", "csv", "latex")
+MISSING = "–"  # en dash, for md and latex; csv leaves the cell empty
+
+# (record field under "summary", column stem); each gets "<stem> mean" and "<stem> std"
+SCORES = (("last_acc", "Last Acc"), ("stage_acc", "Stage Acc"), ("bwt", "BWT"))
+# (field of the last stage's params report, column)
+PARAMS = (
+    ("total", "Total params"),
+    ("trainable", "Trainable"),
+    ("active_per_token", "Active/token"),
+    ("deployed", "Deployed"),
+)
+GROUP_KEYS = ["Method", "Model", "Profile", "Order", "Reference"]
+COLUMNS = (
+    ["Method", "Model", "Profile", "Tasks", "Order", "Reference", "Runs"]
+    + [f"{stem} {stat_}" for _, stem in SCORES for stat_ in ("mean", "std")]
+    + [col for _, col in PARAMS]
+    + ["Wall time (min)"]
+)
+
+
+def load_runs(runs_dir: Path) -> list[dict]:
+    """Every complete run under runs_dir (recursive), parsed, sorted by path.
+
+    Each returned dict gains "_path" (the run.json it came from) so later errors
+    can name the file. Incomplete runs are skipped with a warning.
+    """
+    runs_dir = Path(runs_dir)
+    if not runs_dir.is_dir():
+        raise UserError(f"runs directory {runs_dir} does not exist; pass the folder holding <run-id>/run.json")
+    paths = sorted(runs_dir.rglob("run.json"))
+    if not paths:
+        raise UserError(f"no run.json found under {runs_dir}; run `cl-bench run` first or point at the right folder")
+    runs, skipped = [], []
+    for path in paths:
+        run = _read_record(path)
+        if run.get("status") != "complete":
+            log.warning("skipping %s: status is %r, not 'complete'", path, run.get("status"))
+            skipped.append(str(path))
+            continue
+        run["_path"] = str(path)
+        runs.append(run)
+    if not runs:
+        raise UserError(
+            f"no complete run under {runs_dir}; all {len(skipped)} found are unfinished: {', '.join(skipped)}"
+        )
+    return runs
+
+
+def _read_record(path: Path) -> dict:
+    try:
+        run = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: not valid JSON ({exc}); fix the file or delete its run folder") from exc
+    if not isinstance(run, dict) or "schema_version" not in run:
+        raise UserError(f"{path}: no schema_version, so not a cl-bench run record; move it out of the runs folder")
+    version = run["schema_version"]
+    if not isinstance(version, int) or version < 1:
+        raise UserError(f"{path}: schema_version={version!r} is not a positive integer; the file is damaged")
+    if version > SUPPORTED_SCHEMA_VERSION:
+        raise UserError(
+            f"{path}: schema_version {version} is newer than this cl-bench reads "
+            f"(up to {SUPPORTED_SCHEMA_VERSION}); upgrade cl-bench"
+        )
+    return run
+
+
+def _field(run: dict, *keys: str):
+    """run[k0][k1]..., or a UserError naming the file and the missing field."""
+    value = run
+    for key in keys:
+        if not isinstance(value, dict) or key not in value:
+            raise UserError(f"{run.get('_path', '<run>')}: missing field {'.'.join(keys)}; the record is incomplete")
+        value = value[key]
+    return value
+
+
+def _flatten(run: dict) -> dict:
+    """One run -> one flat row of raw numbers (None where the record has null)."""
+    tasks = _field(run, "tasks")
+    summary = _field(run, "summary")
+    params = run.get("params") or []
+    last = max(params, key=lambda p: p.get("stage", -1)) if params else {}
+    total_s = (run.get("timing") or {}).get("total_s")
+    row = {
+        "Method": _field(run, "method"),
+        "Model": _field(run, "model", "id"),
+        "Profile": _field(run, "profile"),
+        "Order": ",".join(tasks),
+        "Reference": bool(run.get("reference", False)),
+        "Tasks": len(tasks),
+        "Seed": run.get("seed"),
+        "Wall time (min)": None if total_s is None else total_s / 60,
+    }
+    row.update({stem: summary.get(key) for key, stem in SCORES})
+    row.update({col: last.get(key) for key, col in PARAMS})
+    return row
+
+
+def build_table(runs: list[dict]) -> pd.DataFrame:
+    """One row per (method, model, profile, task order, reference) group.
+
+    Scores: mean and sample std (ddof=1; NaN for one run) over the group's runs,
+    ignoring nulls. Params: the last stage's report of the group's first run
+    (params do not depend on the seed). Wall time: mean total_s in minutes.
+    Sorted by Last Acc mean descending, reference rows last.
+    """
+    if not runs:
+        return pd.DataFrame(columns=COLUMNS)
+    flat = pd.DataFrame([_flatten(run) for run in runs])
+    for col in [stem for _, stem in SCORES] + [col for _, col in PARAMS] + ["Wall time (min)"]:
+        flat[col] = pd.to_numeric(flat[col], errors="coerce")  # all-null columns would stay object
+    for key, group in flat.groupby(GROUP_KEYS, sort=False, dropna=False):
+        seeds = group["Seed"].dropna()
+        if seeds.duplicated().any():
+            log.warning(
+                "%s on %s: seed repeated across runs %s; a copied run counts twice", key[0], key[1], seeds.tolist()
+            )
+    agg = {"Tasks": ("Tasks", "first"), "Runs": ("Seed", "size")}
+    for _, stem in SCORES:
+        agg[f"{stem} mean"] = (stem, "mean")
+        agg[f"{stem} std"] = (stem, "std")
+    agg.update({col: (col, "first") for _, col in PARAMS})
+    agg["Wall time (min)"] = ("Wall time (min)", "mean")
+    table = flat.groupby(GROUP_KEYS, sort=False, dropna=False).agg(**agg).reset_index()
+    for _, col in PARAMS:
+        table[col] = table[col].astype("Int64")
+    table = table.sort_values(
+        ["Reference", "Last Acc mean", "Method"], ascending=[True, False, True], na_position="last"
+    )
+    return table[COLUMNS].reset_index(drop=True)
+
+
+def humanise(n) -> str:
+    """134515008 -> '134.5M', 1235814400 -> '1.24B'; missing -> '–'."""
+    if n is None or pd.isna(n):
+        return MISSING
+    n = int(n)
+    for scale, suffix, digits in ((1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)):
+        if abs(n) >= scale:
+            return f"{n / scale:.{digits}f}{suffix}"
+    return str(n)
+
+
+def _score_cell(mean, std) -> str:
+    """'45.0 ± 7.1'; the mean alone when std is NaN (one run, ddof=1)."""
+    if pd.isna(mean):
+        return MISSING
+    if not pd.isna(std):
+        return f"{mean:.1f} ± {std:.1f}"
+    return f"{mean:.1f}"
+
+
+def _display_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
+    headers = ["Method", "Model", "Profile", "Tasks", "Runs"] + [stem for _, stem in SCORES]
+    headers += [col for _, col in PARAMS] + ["Wall time (min)"]
+    rows = []
+    for rec in df.to_dict("records"):
+        method = f"{rec['Method']} (reference)" if rec["Reference"] else str(rec["Method"])
+        row = [method, str(rec["Model"]), str(rec["Profile"]), str(rec["Tasks"]), str(rec["Runs"])]
+        row += [_score_cell(rec[f"{stem} mean"], rec[f"{stem} std"]) for _, stem in SCORES]
+        row += [humanise(rec[col]) for _, col in PARAMS]
+        wall = rec["Wall time (min)"]
+        row.append(MISSING if pd.isna(wall) else f"{wall:.1f}")
+        rows.append(row)
+    return headers, rows
+
+
+def format_table(df: pd.DataFrame, fmt: str = "md") -> str:
+    """Render build_table's frame: 'md' (pipe table), 'csv' (raw numbers), 'latex' (booktabs)."""
+    if fmt == "csv":
+        return df.to_csv(index=False, na_rep="")
+    if fmt not in FORMATS:
+        raise UserError(f"unknown leaderboard format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    headers, rows = _display_rows(df)
+    align = ["left"] * 3 + ["right"] * (len(headers) - 3)
+    tablefmt = "pipe" if fmt == "md" else "latex_booktabs"
+    # disable_numparse: the cells are already formatted; tabulate would re-round "45.0" to "45"
+    return tabulate(rows, headers, tablefmt=tablefmt, colalign=align, disable_numparse=True) + "\n"
+
+
+def update_readme(
+    readme_path: Path,
+    table_md: str,
+    begin: str = "<!-- leaderboard:begin -->",
+    end: str = "<!-- leaderboard:end -->",
+) -> None:
+    """Replace the text between the begin and end markers (kept) with table_md, atomically."""
+    readme_path = Path(readme_path)
+    if not readme_path.is_file():
+        raise UserError(f"{readme_path} does not exist; pass the README that should hold the leaderboard")
+    text = readme_path.read_text(encoding="utf-8")
+    start = text.find(begin)
+    stop = text.find(end, start + len(begin)) if start >= 0 else -1
+    if start < 0 or stop < 0:
+        raise UserError(
+            f"{readme_path}: leaderboard markers not found; add a line {begin} and, below it, "
+            f"a line {end} where the table should go"
+        )
+    new = text[: start + len(begin)] + "\n\n" + table_md.strip("\n") + "\n\n" + text[stop:]
+    fd, tmp = tempfile.mkstemp(dir=readme_path.parent, prefix=f".{readme_path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(new)
+        os.chmod(tmp, stat.S_IMODE(readme_path.stat().st_mode))  # mkstemp makes 0600; keep the README's mode
+        os.replace(tmp, readme_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,165 @@
+"""The Method contract: the hooks a continual-learning method may override.
+
+The sequencer calls, for each stage b:
+    before_task(stage) -> optimizer_for_stage(stage, previous) -> [loss(batch, step),
+    after_step(step)]* -> after_task(stage) -> eval_tasks / eval_model -> param_report
+and state_dict()/load_state_dict() around checkpoints. It never looks at a
+method's name: anything a method needs from the harness is one of these hooks
+or a declared class attribute.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from cl_bench.config import RunConfig, coerce
+from cl_bench.errors import UserError
+
+
+@dataclass
+class MethodArgs:
+    """Arguments every method has; a method's own Args subclass adds its fields."""
+
+    lr: float = 1e-5  # constant learning rate (TRACE: no decay)
+    weight_decay: float = 0.0
+    beta1: float = 0.9  # AdamW betas (0.9, 0.95) as TRACE and the upcycling paper
+    beta2: float = 0.95
+
+
+@dataclass
+class Stage:
+    """One training stage: usually one task; a method may plan otherwise (multitask)."""
+
+    index: int
+    tasks: list  # list[TaskData] trained in this stage
+    label: str
+
+
+@dataclass
+class MethodContext:
+    config: RunConfig
+    device: torch.device
+    tokenizer: Any
+    all_tasks: list = field(default_factory=list)  # list[TaskData] in order
+
+
+class Method:
+    name: ClassVar[str] = ""
+    aliases: ClassVar[tuple[str, ...]] = ()
+    description: ClassVar[str] = ""  # one line, shown by `cl-bench list`
+    Args: ClassVar[type] = MethodArgs
+    uses_replay: ClassVar[bool] = False  # draws from the harness's shared replay buffer
+    reference: ClassVar[bool] = False  # a reference row (reported beside, never ranked)
+
+    def __init__(self, args: MethodArgs, context: MethodContext):
+        self.args = args
+        self.ctx = context
+        self.model: nn.Module | None = None
+
+    # ---- arguments -------------------------------------------------------
+    @classmethod
+    def parse_args(cls, raw: dict[str, Any]) -> MethodArgs:
+        hints = typing.get_type_hints(cls.Args)
+        names = [f.name for f in dataclasses.fields(cls.Args)]
+        values = {}
+        for key, value in raw.items():
+            if key not in names:
+                import difflib
+
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f"did you mean '{close[0]}'? " if close else ""
+                raise UserError(f"method '{cls.name}' has no argument '{key}'; {hint}"
+                                f"its arguments: {', '.join(names)}")
+            values[key] = coerce(value, hints[key], f"method_args.{key}")
+        return cls.Args(**values)
+
+    @classmethod
+    def arg_table(cls) -> list[tuple[str, str, Any]]:
+        hints = typing.get_type_hints(cls.Args)
+        return [(f.name, getattr(hints[f.name], "__name__", str(hints[f.name])),
+                 f.default if f.default is not dataclasses.MISSING else f.default_factory())
+                for f in dataclasses.fields(cls.Args)]
+
+    # ---- hooks ------------------------------------------------------------
+    def setup(self, model: nn.Module) -> None:
+        """Wrap or modify the dense model (PEFT, MoE, frozen parts). Default: train all."""
+        self.model = model
+
+    def plan(self, tasks: list) -> list[Stage]:
+        """The stages to train. Default: one stage per task, in order."""
+        return [Stage(i, [t], t.name) for i, t in enumerate(tasks)]
+
+    def before_task(self, stage: Stage) -> None:
+        """Called before a stage trains (expand experts, add an adapter, ...)."""
+
+    def param_groups(self) -> list[dict]:
+        return [{"params": [p for p in self.model.parameters() if p.requires_grad]}]
+
+    def make_optimizer(self, groups: list[dict]) -> torch.optim.Optimizer:
+        a = self.args
+        return torch.optim.AdamW(groups, lr=a.lr, betas=(a.beta1, a.beta2),
+                                 weight_decay=a.weight_decay)
+
+    def optimizer_for_stage(self, stage: Stage,
+                            previous: torch.optim.Optimizer | None) -> torch.optim.Optimizer:
+        """Keep the optimiser (and its moments) while the trainable set is unchanged,
+        as TRACE's single engine does; otherwise build a new one over the new set,
+        carrying the state of parameters that persist."""
+        groups = self.param_groups()
+        params = [p for g in groups for p in g["params"]]
+        if previous is not None:
+            old = [p for g in previous.param_groups for p in g["params"]]
+            if len(old) == len(params) and all(a is b for a, b in zip(old, params)):
+                return previous
+        optimizer = self.make_optimizer(groups)
+        if previous is not None:
+            for p in params:
+                if p in previous.state:
+                    optimizer.state[p] = previous.state[p]
+        return optimizer
+
+    def loss(self, batch: dict[str, torch.Tensor], step: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """Mean loss over the answer tokens of `batch`, and named parts for logging."""
+        loss = lm_loss(self.model, batch)
+        return loss, {"lm": loss.item()}
+
+    def after_step(self, step: int) -> None:
+        """Called after each optimiser step."""
+
+    def after_task(self, stage: Stage) -> None:
+        """Called after a stage trains (Fisher, finalise masks, ...)."""
+
+    def eval_tasks(self, stage: Stage, seen: list[int]) -> list[int]:
+        """Indices of the tasks to evaluate after `stage`. Default: all tasks seen."""
+        return seen
+
+    def eval_model(self, stage: Stage) -> nn.Module:
+        """The module to evaluate (an ensemble, a merged model ...). Default: the model."""
+        return self.model
+
+    def state_dict(self) -> dict[str, Any]:
+        """Method state beyond the model weights, for resume."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def param_report(self) -> dict[str, Any]:
+        """total: held in memory; trainable: with gradients this stage; active_per_token:
+        touched per token at inference; deployed: what an exported model needs."""
+        total = sum(p.numel() for p in self.model.parameters())
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        return {"total": total, "trainable": trainable, "active_per_token": total,
+                "deployed": total, "experts_per_layer": None}
+
+
+def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Causal-LM cross-entropy, mean over tokens whose label is not -100 (answer + EOS)."""
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                labels=batch["labels"], use_cache=False)
+    return out.loss

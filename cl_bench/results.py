@@ -1,0 +1,143 @@
+"""The run record (run.json, schema-versioned), predictions.jsonl, checkpoints,
+all written atomically: a write goes to a temporary file in the same folder and
+replaces the target with os.replace, so an interrupted write never damages
+what was there.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cl_bench.errors import UserError
+
+SCHEMA_VERSION = 1
+RUN_FILE = "run.json"
+PREDICTIONS_FILE = "predictions.jsonl"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINT_DIR = "checkpoint"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, data: Any) -> None:
+    atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_record(run_dir: Path) -> dict:
+    path = run_dir / RUN_FILE
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path}: no run record here; pass the folder of a run "
+                        f"(it holds {RUN_FILE})") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: not valid JSON (line {exc.lineno}); the record is damaged") from None
+    version = record.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise UserError(f"{path}: schema_version {version!r}; this cl-bench reads version "
+                        f"{SCHEMA_VERSION}")
+    return record
+
+
+def ensure_writable(directory: Path) -> None:
+    """Fail early, before loading a model, if the output folder cannot be written."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        raise UserError(f"{directory}: output directory is not writable ({exc.strerror}); "
+                        f"pass --output-dir with a folder you can write") from None
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("cl-bench", "torch", "transformers", "peft", "datasets", "numpy"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            continue
+    return out
+
+
+def git_commit() -> str | None:
+    """The project's commit (with '+dirty' when the tree has uncommitted changes)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sha + ("+dirty" if dirty else "")
+
+
+# ---- checkpoints ---------------------------------------------------------------
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:
+    """Write checkpoint/ whole, then swap it in: the previous one survives a crash."""
+    final = run_dir / CHECKPOINT_DIR
+    staging = run_dir / f"{CHECKPOINT_DIR}.new"
+    old = run_dir / f"{CHECKPOINT_DIR}.old"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    torch.save(state, staging / "state.pt")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    staging.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(run_dir: Path) -> dict[str, Any]:
+    for name in (CHECKPOINT_DIR, f"{CHECKPOINT_DIR}.old"):
+        path = run_dir / name / "state.pt"
+        if path.exists():
+            return torch.load(path, map_location="cpu", weights_only=False)
+    raise UserError(f"{run_dir}: no checkpoint to resume from (the run stopped before its "
+                    f"first stage finished); start it again without --resume")

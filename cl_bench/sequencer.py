@@ -1,0 +1,293 @@
+"""The stage loop: hooks -> train -> evaluate -> R[b][j] -> record + checkpoint.
+
+It calls a method only through the hooks of cl_bench.method.Method and never
+looks at its name. After every stage the run record, the predictions and a
+checkpoint are written, so an interrupted run loses at most the stage in
+progress and `--resume` continues at the next one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import resource
+import shutil
+import secrets
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from cl_bench import registry, results
+from cl_bench.backends.torch_backend import TorchBackend
+from cl_bench.benchmarks.trace import load_benchmark, resolve_data_dir, resolve_order
+from cl_bench.config import RunConfig, build
+from cl_bench.data import Encoder, tokenize_train
+from cl_bench.errors import UserError
+from cl_bench.evaluation import evaluate_task
+from cl_bench.method import Method, MethodContext, Stage
+from cl_bench.metrics.cl import summarise
+from cl_bench.models.loading import load
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    """Everything one run holds while it goes."""
+
+    config: RunConfig
+    run_dir: Path
+    method: Method
+    tasks: list
+    stages: list[Stage]
+    encoder: Encoder
+    backend: TorchBackend
+    record: dict[str, Any]
+    predictions: list[dict] = field(default_factory=list)
+    optimizer: torch.optim.Optimizer | None = None
+    progress: bool = True
+
+
+def new_run_id(method: str) -> str:
+    return f"{method}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: bool = True) -> Run:
+    """Validate, load data and model, set the method up; with `resume_dir`, the
+    config comes from that run's record and its checkpoint is restored.
+    Everything that can be checked without a model is checked first."""
+    if resume_dir is not None:
+        record = results.read_record(resume_dir)
+        if record.get("status") == "complete":
+            raise UserError(f"{resume_dir}: this run is already complete; nothing to resume")
+        config = build(record["config"], f"{resume_dir / results.RUN_FILE}: config")
+        run_dir = resume_dir
+    else:
+        config.run_id = config.run_id or new_run_id(config.method)
+        run_dir = Path(config.output_dir) / config.run_id
+        results.ensure_writable(Path(config.output_dir))
+        if (run_dir / results.RUN_FILE).exists():
+            raise UserError(f"{run_dir}: a run with this id exists; resume it with "
+                            f"--resume {run_dir} or choose another --run-id")
+    method_cls = registry.get(config.method)
+    method_args = method_cls.parse_args(config.method_args)
+    resolve_order(config.data.order)
+    data_dir = resolve_data_dir(config.data.data_dir)
+    tasks = load_benchmark(data_dir, config.data.order, config.data.n_train, config.data.n_test,
+                           config.seed)
+    if resume_dir is not None:
+        _check_same_data(record, tasks, resume_dir)
+
+    torch.manual_seed(config.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    loaded = load(config.model, config.seed, device)
+    encoder = Encoder.from_config(loaded.tokenizer, config.train)
+    ctx = MethodContext(config=config, device=device, tokenizer=loaded.tokenizer, all_tasks=tasks)
+    method = method_cls(method_args, ctx)
+    method.setup(loaded.model)
+    stages = method.plan(tasks)
+
+    if resume_dir is None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        record = _new_record(config, method, method_args, loaded.info, tasks, stages)
+    run = Run(config, run_dir, method, tasks, stages, encoder, TorchBackend(config, device),
+              record, progress=progress)
+    if resume_dir is not None:
+        _restore(run)
+    return run
+
+
+def _new_record(config, method, method_args, model_info, tasks, stages) -> dict[str, Any]:
+    return {
+        "schema_version": results.SCHEMA_VERSION,
+        "run_id": config.run_id,
+        "status": "running",
+        "command": shlex.join(["cl-bench", *sys.argv[1:]]),
+        "method": method.name,
+        "method_args": dataclasses.asdict(method_args),
+        "reference": method.reference,
+        "uses_replay": method.uses_replay,
+        "model": model_info,
+        "benchmark": "trace",
+        "tasks": [t.name for t in tasks],
+        "stages": [{"index": s.index, "label": s.label, "tasks": [t.name for t in s.tasks]}
+                   for s in stages],
+        "profile": config.profile,
+        "seed": config.seed,
+        "data": {t.name: t.provenance for t in tasks},
+        "matrix": [[None] * len(tasks) for _ in stages],
+        "zero_shot": None,
+        "task_metrics": [],
+        "summary": None,
+        "params": [],
+        "config": config.to_dict(),
+        "timing": {"stages": [], "total_s": 0.0},
+        "versions": results.versions(),
+        "git_commit": results.git_commit(),
+        "stages_done": 0,
+    }
+
+
+def _check_same_data(record: dict, tasks: list, where: Path) -> None:
+    for t in tasks:
+        old = record["data"].get(t.name, {})
+        for split in ("train", "test"):
+            if old.get(split, {}).get("sha256") != t.provenance[split]["sha256"]:
+                raise UserError(f"{where}: the {split} data of {t.name} changed since the run "
+                                f"started (sha256 differs); resume with the original data")
+
+
+def _name_of(model: torch.nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def _checkpoint(run: Run, stage_index: int) -> None:
+    names = _name_of(run.method.model)
+    state = {
+        "stage": stage_index,
+        "model": run.method.model.state_dict(),
+        "method": run.method.state_dict(),
+        "optimizer": None,
+        "rng": results.rng_state(),
+    }
+    if run.optimizer is not None:
+        state["optimizer"] = {
+            "groups": [[names[id(p)] for p in g["params"]] for g in run.optimizer.param_groups],
+            "state": run.optimizer.state_dict(),
+        }
+    results.save_checkpoint(run.run_dir, state)
+
+
+def _restore(run: Run) -> None:
+    state = results.load_checkpoint(run.run_dir)
+    run.method.load_state_dict(state["method"])  # may rebuild architecture first
+    run.method.model.load_state_dict(state["model"])
+    if state["optimizer"] is not None:
+        params = dict(run.method.model.named_parameters())
+        groups = [{"params": [params[n] for n in names]} for names in state["optimizer"]["groups"]]
+        run.optimizer = run.method.make_optimizer(groups)
+        run.optimizer.load_state_dict(state["optimizer"]["state"])
+    results.set_rng_state(state["rng"])
+    done = state["stage"] + 1
+    rec = run.record
+    # Drop whatever the interrupted stage wrote after its checkpoint.
+    rec["stages_done"] = done
+    rec["params"] = rec["params"][:done]
+    rec["timing"]["stages"] = rec["timing"]["stages"][:done]
+    rec["task_metrics"] = [m for m in rec["task_metrics"] if m["stage"] < done]
+    for b in range(done, len(rec["matrix"])):
+        rec["matrix"][b] = [None] * len(rec["tasks"])
+    run.predictions = [r for r in results.read_jsonl(run.run_dir / results.PREDICTIONS_FILE)
+                       if r["stage"] < done]
+    metrics = run.run_dir / results.METRICS_FILE
+    results.write_jsonl(metrics, [r for r in results.read_jsonl(metrics) if r["stage"] < done])
+    rec["status"] = "running"
+    log.info("resuming %s at stage %d/%d", run.run_dir, done + 1, len(run.stages))
+
+
+def _epochs(run: Run, stage: Stage) -> list[list[dict]]:
+    """Rows of each epoch: a task joins epoch e while e < its epoch count."""
+    cache = run.run_dir.parent / ".cache"
+    per_task = [(run.config.train.epochs_for(t.name),
+                 list(tokenize_train(run.encoder, t.train, cache))) for t in stage.tasks]
+    n_epochs = max(n for n, _ in per_task)
+    return [[row for n, rows in per_task if e < n for row in rows] for e in range(n_epochs)]
+
+
+def _evaluate(run: Run, stage_label: str, indices: list[int], model) -> dict[int, Any]:
+    total = sum(len(run.tasks[j].test) for j in indices)
+    out = {}
+    with tqdm(total=total, desc=f"{stage_label} eval", unit="ex", disable=not run.progress,
+              leave=False) as bar:
+        for j in indices:
+            out[j] = evaluate_task(model, run.encoder, run.tasks[j], run.config.eval, bar.update)
+    return out
+
+
+def _write(run: Run) -> None:
+    results.write_json(run.run_dir / results.RUN_FILE, run.record)
+    results.write_jsonl(run.run_dir / results.PREDICTIONS_FILE, run.predictions)
+
+
+def execute(run: Run, keep_checkpoint: bool = False) -> dict[str, Any]:
+    """Run the remaining stages; returns the final record."""
+    rec = run.record
+    try:
+        if run.config.eval.eval_all and rec["zero_shot"] is None:
+            evals = _evaluate(run, "zero-shot", list(range(len(run.tasks))),
+                              run.method.eval_model(run.stages[0]))
+            rec["zero_shot"] = [evals[j].score for j in range(len(run.tasks))]
+            _write(run)
+        for stage in run.stages[rec["stages_done"]:]:
+            _run_stage(run, stage)
+        rec["summary"] = summarise(rec["matrix"], rec["zero_shot"])
+        rec["status"] = "complete"
+        _write(run)
+        if not keep_checkpoint:
+            for name in (results.CHECKPOINT_DIR, f"{results.CHECKPOINT_DIR}.old"):
+                shutil.rmtree(run.run_dir / name, ignore_errors=True)
+    except BaseException as exc:
+        rec["status"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        rec["error"] = f"{type(exc).__name__}: {exc}"
+        _write(run)
+        raise
+    return rec
+
+
+def _run_stage(run: Run, stage: Stage) -> None:
+    rec, method = run.record, run.method
+    n_stages = len(run.stages)
+    label = f"stage {stage.index + 1}/{n_stages} [{stage.label}]"
+    t0 = time.perf_counter()
+    method.before_task(stage)
+    run.optimizer = method.optimizer_for_stage(stage, run.optimizer)
+    epochs = _epochs(run, stage)
+    t = run.config.train
+    n_steps = sum(-(-len(rows) // t.batch_size) for rows in epochs)
+    log_rows: list[dict] = []
+    with tqdm(total=n_steps, desc=f"{label} train", unit="step", disable=not run.progress) as bar:
+        def on_step(step: int, parts: dict[str, float]) -> None:
+            log_rows.append({"stage": stage.index, "step": step, **parts})
+            bar.set_postfix({k: f"{v:.3f}" for k, v in parts.items() if k != "grad_norm"})
+            bar.update()
+
+        run.backend.train_stage(method, run.optimizer, stage, epochs,
+                                run.encoder.tokenizer.pad_token_id, on_step)
+    method.after_task(stage)
+    train_s = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    trained = sorted({run.tasks.index(task) for s in run.stages[:stage.index + 1] for task in s.tasks})
+    indices = (list(range(len(run.tasks))) if run.config.eval.eval_all
+               else method.eval_tasks(stage, trained))
+    evals = _evaluate(run, label, indices, method.eval_model(stage))
+    eval_s = time.perf_counter() - t1
+    for j, ev in evals.items():
+        rec["matrix"][stage.index][j] = ev.score
+        rec["task_metrics"].append({"stage": stage.index, "task": run.tasks[j].name, **ev.details})
+        run.predictions.extend({"stage": stage.index, **row} for row in ev.rows)
+    rec["params"].append({"stage": stage.index, **method.param_report()})
+    rec["timing"]["stages"].append({"stage": stage.index, "train_s": round(train_s, 2),
+                                    "eval_s": round(eval_s, 2), "steps": n_steps,
+                                    "peak_rss_mb": round(peak_rss_mb(), 1)})
+    rec["timing"]["total_s"] = round(sum(s["train_s"] + s["eval_s"] for s in rec["timing"]["stages"]), 2)
+    rec["stages_done"] = stage.index + 1
+    with (run.run_dir / results.METRICS_FILE).open("a") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in log_rows)
+    # Record first, checkpoint second: a crash between the two resumes from the
+    # previous checkpoint and redoes this stage, never skips it.
+    _write(run)
+    _checkpoint(run, stage.index)
+    scores = ", ".join(f"{run.tasks[j].name} {evals[j].score:.1f}" for j in indices)
+    log.info("%s done in %.0fs (train %.0fs, eval %.0fs): %s", label, train_s + eval_s,
+             train_s, eval_s, scores)
