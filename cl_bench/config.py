@@ -51,6 +51,16 @@ class EvalConfig:
 
 
 @dataclass
+class ReplayConfig:
+    """The run's one replay budget (PROTOCOL.md, "Replay budget")."""
+
+    fraction: float = 0.1  # of each finished task's training subset, at least 1 example
+    per_task: int | None = None  # an absolute count instead of the fraction
+    policy: str = "interleave"  # interleave: one replay micro-batch per step; epoch: TRACE's extra epoch
+    lima: int = 0  # Lima examples in the buffer from the start (opt-in; TRACE uses all 1030)
+
+
+@dataclass
 class RunConfig:
     method: str = "seqft"
     method_args: dict[str, Any] = field(default_factory=dict)
@@ -63,6 +73,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
 
     def __post_init__(self) -> None:
         t = self.train
@@ -81,6 +92,13 @@ class RunConfig:
                 raise UserError(f"train.{name}={getattr(t, name)} must be at least 1")
         if self.eval.batch_size < 1:
             raise UserError(f"eval.batch_size={self.eval.batch_size} must be at least 1")
+        r = self.replay
+        if r.policy not in ("interleave", "epoch"):
+            raise UserError(f"replay.policy={r.policy!r} must be 'interleave' or 'epoch'")
+        if not 0 < r.fraction <= 1:
+            raise UserError(f"replay.fraction={r.fraction} must be in (0, 1]")
+        if r.per_task is not None and r.per_task < 1 or r.lima < 0:
+            raise UserError("replay.per_task must be at least 1 (or null) and replay.lima at least 0")
         if self.backend != "torch":
             raise UserError(f"backend={self.backend!r} is not available; choose 'torch'")
 
@@ -94,7 +112,7 @@ class RunConfig:
 PROFILES: dict[str, dict[str, Any]] = {
     "smoke": {
         "model": "tiny-llama",
-        "data": {"order": ["C-STANCE", "NumGLUE-cm", "FOMC"], "n_train": 8, "n_test": 4},
+        "data": {"order": ["NumGLUE-cm", "Py150", "20Minuten"], "n_train": 8, "n_test": 4},
         "train": {"batch_size": 4, "micro_batch_size": 2, "epochs": 1,
                   "max_prompt_len": 96, "max_answer_len": 16, "truncation_head": 16},
         "eval": {"batch_size": 4, "max_new_tokens_cap": 8},
@@ -209,7 +227,7 @@ def merge(base: dict, override: dict) -> dict:
     return out
 
 
-_SECTIONS = {"data": DataConfig, "train": TrainConfig, "eval": EvalConfig}
+_SECTIONS = {"data": DataConfig, "train": TrainConfig, "eval": EvalConfig, "replay": ReplayConfig}
 
 
 def build(raw: dict[str, Any], where: str) -> RunConfig:

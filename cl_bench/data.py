@@ -113,8 +113,9 @@ class Step:
     n_tokens: int  # label tokens in the whole step (for token-weighted accumulation)
 
 
-def epoch_order(n: int, seed: int, stage: int, epoch: int) -> list[int]:
-    """A shuffled order that depends only on (seed, stage, epoch): resumable."""
+def epoch_order(n: int, seed: int, stage: str, epoch: int) -> list[int]:
+    """A shuffled order that depends only on (seed, stage label, epoch): resumable,
+    and a task's order is the same whatever comes before it in the sequence."""
     order = list(range(n))
     random.Random(f"{seed}/{stage}/{epoch}").shuffle(order)
     return order

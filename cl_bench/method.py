@@ -1,8 +1,9 @@
 """The Method contract: the hooks a continual-learning method may override.
 
 The sequencer calls, for each stage b:
-    before_task(stage) -> optimizer_for_stage(stage, previous) -> [loss(batch, step),
-    after_step(step)]* -> after_task(stage) -> eval_tasks / eval_model -> param_report
+    before_task(stage) -> optimizer_for_stage(stage, previous) -> [loss(batch, step)*,
+    before_step(step), optimiser step, after_step(step)]* -> after_task(stage)
+    -> eval_tasks / eval_model -> param_report
 and state_dict()/load_state_dict() around checkpoints. It never looks at a
 method's name: anything a method needs from the harness is one of these hooks
 or a declared class attribute.
@@ -127,6 +128,15 @@ class Method:
         """Mean loss over the answer tokens of `batch`, and named parts for logging."""
         loss = lm_loss(self.model, batch)
         return loss, {"lm": loss.item()}
+
+    def replay_loss(self, batch: dict[str, torch.Tensor], step: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """Loss on one replay micro-batch (interleave policy; only if `uses_replay`).
+        Default: the ordinary loss, added with weight 1."""
+        return self.loss(batch, step)
+
+    def before_step(self, step: int) -> None:
+        """Called once a step's gradients are accumulated, before clipping and the
+        optimiser step (gradient projection, masking ...)."""
 
     def after_step(self, step: int) -> None:
         """Called after each optimiser step."""

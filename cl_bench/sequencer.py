@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from cl_bench import registry, results
 from cl_bench.backends.torch_backend import TorchBackend
-from cl_bench.benchmarks.trace import load_benchmark, resolve_data_dir, resolve_order
+from cl_bench.benchmarks.trace import load_benchmark, load_split, resolve_data_dir, resolve_order
 from cl_bench.config import RunConfig, build
 from cl_bench.data import Encoder, tokenize_train
 from cl_bench.errors import UserError
@@ -33,6 +33,7 @@ from cl_bench.evaluation import evaluate_task
 from cl_bench.method import Method, MethodContext, Stage
 from cl_bench.metrics.cl import summarise
 from cl_bench.models.loading import load
+from cl_bench.replay import ReplayBuffer
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class Run:
     encoder: Encoder
     backend: TorchBackend
     record: dict[str, Any]
+    replay: ReplayBuffer
+    replay_sources: dict[str, list]  # task name -> examples the buffer may hold
     predictions: list[dict] = field(default_factory=list)
     optimizer: torch.optim.Optimizer | None = None
     progress: bool = True
@@ -87,6 +90,11 @@ def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: 
                            config.seed)
     if resume_dir is not None:
         _check_same_data(record, tasks, resume_dir)
+    replay = ReplayBuffer(config.replay, config.seed)
+    sources = {t.name: t.train for t in tasks}
+    if config.replay.lima:
+        sources["Lima"] = load_split(data_dir, "Lima", "train")
+        replay.add_lima(sources["Lima"])
 
     torch.manual_seed(config.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -101,7 +109,7 @@ def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: 
         run_dir.mkdir(parents=True, exist_ok=True)
         record = _new_record(config, method, method_args, loaded.info, tasks, stages)
     run = Run(config, run_dir, method, tasks, stages, encoder, TorchBackend(config, device),
-              record, progress=progress)
+              record, replay, sources, progress=progress)
     if resume_dir is not None:
         _restore(run)
     return run
@@ -130,6 +138,7 @@ def _new_record(config, method, method_args, model_info, tasks, stages) -> dict[
         "task_metrics": [],
         "summary": None,
         "params": [],
+        "replay": None,
         "config": config.to_dict(),
         "timing": {"stages": [], "total_s": 0.0},
         "versions": results.versions(),
@@ -159,6 +168,7 @@ def _checkpoint(run: Run, stage_index: int) -> None:
         "method": run.method.state_dict(),
         "optimizer": None,
         "rng": results.rng_state(),
+        "replay": run.replay.state_dict(),
     }
     if run.optimizer is not None:
         state["optimizer"] = {
@@ -178,6 +188,7 @@ def _restore(run: Run) -> None:
         run.optimizer = run.method.make_optimizer(groups)
         run.optimizer.load_state_dict(state["optimizer"]["state"])
     results.set_rng_state(state["rng"])
+    run.replay.load_state_dict(state["replay"], run.replay_sources)
     done = state["stage"] + 1
     rec = run.record
     # Drop whatever the interrupted stage wrote after its checkpoint.
@@ -252,6 +263,13 @@ def _run_stage(run: Run, stage: Stage) -> None:
     method.before_task(stage)
     run.optimizer = method.optimizer_for_stage(stage, run.optimizer)
     epochs = _epochs(run, stage)
+    replay_rows = None
+    if method.uses_replay and len(run.replay):
+        replay_rows = list(tokenize_train(run.encoder, run.replay.examples(),
+                                          run.run_dir.parent / ".cache"))
+        if run.config.replay.policy == "epoch":
+            epochs.append(replay_rows)  # TRACE's extra epoch over the buffer
+            replay_rows = None
     t = run.config.train
     n_steps = sum(-(-len(rows) // t.batch_size) for rows in epochs)
     log_rows: list[dict] = []
@@ -261,9 +279,13 @@ def _run_stage(run: Run, stage: Stage) -> None:
             bar.set_postfix({k: f"{v:.3f}" for k, v in parts.items() if k != "grad_norm"})
             bar.update()
 
-        run.backend.train_stage(method, run.optimizer, stage, epochs,
-                                run.encoder.tokenizer.pad_token_id, on_step)
+        replayed = run.backend.train_stage(method, run.optimizer, stage, epochs,
+                                           run.encoder.tokenizer.pad_token_id, on_step, replay_rows)
+    if method.uses_replay and run.config.replay.policy == "epoch" and len(run.replay):
+        replayed = len(run.replay)
     method.after_task(stage)
+    for task in stage.tasks:
+        run.replay.add_task(task)
     train_s = time.perf_counter() - t0
 
     t1 = time.perf_counter()
@@ -281,6 +303,8 @@ def _run_stage(run: Run, stage: Stage) -> None:
                                     "eval_s": round(eval_s, 2), "steps": n_steps,
                                     "peak_rss_mb": round(peak_rss_mb(), 1)})
     rec["timing"]["total_s"] = round(sum(s["train_s"] + s["eval_s"] for s in rec["timing"]["stages"]), 2)
+    used = (rec["replay"] or {}).get("used", 0) + replayed
+    rec["replay"] = {**run.replay.summary(), "used": used, "method_replays": method.uses_replay}
     rec["stages_done"] = stage.index + 1
     with (run.run_dir / results.METRICS_FILE).open("a") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in log_rows)

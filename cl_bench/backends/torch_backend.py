@@ -6,8 +6,9 @@ from typing import Callable
 import torch
 
 from cl_bench.config import RunConfig
-from cl_bench.data import IGNORE, epoch_order, steps
+from cl_bench.data import IGNORE, collate, epoch_order, steps
 from cl_bench.method import Method, Stage
+from cl_bench.replay import sample_rows
 
 StepCallback = Callable[[int, dict[str, float]], None]
 
@@ -21,18 +22,21 @@ class TorchBackend:
 
     def train_stage(self, method: Method, optimizer: torch.optim.Optimizer, stage: Stage,
                     epochs: list[list[dict]], pad_id: int,
-                    on_step: StepCallback | None = None) -> int:
+                    on_step: StepCallback | None = None,
+                    replay_rows: list[dict] | None = None) -> int:
         """Run every optimiser step of `stage`; `epochs[e]` holds the tokenised rows of
         epoch e. Micro-batch losses are weighted by their share of the step's answer
-        tokens, so a step's gradient does not depend on how it is split. Returns the
-        number of steps taken."""
+        tokens, so a step's gradient does not depend on how it is split. With
+        `replay_rows`, each step adds one replay micro-batch through
+        `method.replay_loss` (the interleave policy). Returns the number of replay
+        examples used."""
         t = self.config.train
         model = method.model
         model.train()
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        step = 0
+        step = replayed = 0
         for epoch, rows in enumerate(epochs):
-            order = epoch_order(len(rows), self.config.seed, stage.index, epoch)
+            order = epoch_order(len(rows), self.config.seed, stage.label, epoch)
             for batch in steps(rows, order, t.batch_size, t.micro_batch_size, pad_id):
                 optimizer.zero_grad(set_to_none=True)
                 parts_sum: dict[str, float] = {}
@@ -43,6 +47,15 @@ class TorchBackend:
                     (loss * weight).backward()
                     for key, value in parts.items():
                         parts_sum[key] = parts_sum.get(key, 0.0) + value * weight
+                if replay_rows:
+                    rows_r = sample_rows(replay_rows, t.micro_batch_size,
+                                         f"{self.config.seed}/{stage.label}/{epoch}/{step}")
+                    micro = {k: v.to(self.device) for k, v in collate(rows_r, pad_id).items()}
+                    loss, parts = method.replay_loss(micro, step)
+                    loss.backward()
+                    parts_sum.update({f"replay_{k}": v for k, v in parts.items()})
+                    replayed += len(rows_r)
+                method.before_step(step)
                 if t.grad_clip > 0:
                     parts_sum["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip))
                 optimizer.step()
@@ -50,4 +63,4 @@ class TorchBackend:
                 if on_step is not None:
                     on_step(step, parts_sum)
                 step += 1
-        return step
+        return replayed

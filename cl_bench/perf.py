@@ -1,0 +1,115 @@
+"""Measurements behind the README's performance figures.
+
+generation: batched greedy decoding (left padding, KV cache) against the same
+    prompts decoded one at a time; reports both times, the speed-up and how many
+    outputs are identical.
+harness:    a SeqFT training stage through cl-bench's backend (method hooks,
+    token-weighted accumulation, clipping, a progress bar and the step log)
+    against a bare PyTorch loop over the same batches; reports the time ratio.
+Repeats alternate the two sides and report medians.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+from cl_bench.backends.torch_backend import TorchBackend
+from cl_bench.benchmarks.trace import load_task, resolve_data_dir
+from cl_bench.config import PROFILES, build
+from cl_bench.data import IGNORE, Encoder, epoch_order, steps, tokenize_train
+from cl_bench.generation import greedy_generate
+from cl_bench.method import MethodContext, Stage
+from cl_bench.models.loading import load
+
+
+def _setup(args):
+    config = build({**PROFILES["cpu"], "profile": "cpu", "model": args.model}, "perf")
+    loaded = load(args.model, config.seed)
+    tasks = [load_task(resolve_data_dir(args.data_dir), name, args.n, args.n, config.seed)
+             for name in args.task.split(",")]
+    return config, loaded, Encoder.from_config(loaded.tokenizer, config.train), tasks
+
+
+def generation(args) -> dict:
+    config, loaded, encoder, tasks = _setup(args)
+    tok = loaded.tokenizer
+    prompts = [encoder.prompt_ids(e.prompt) for t in tasks for e in t.test][: args.n]
+
+    def decode(batch_size: int):
+        t0 = time.perf_counter()
+        out = greedy_generate(loaded.model, prompts, args.max_new_tokens, tok.eos_token_id,
+                              tok.pad_token_id, batch_size)
+        return time.perf_counter() - t0, out
+
+    times = {"batched": [], "single": []}
+    for _ in range(args.repeats):
+        t_b, batched = decode(args.batch_size)
+        t_s, single = decode(1)
+        times["batched"].append(t_b)
+        times["single"].append(t_s)
+    same = sum(a == b for a, b in zip(batched, single))
+    tb, ts = statistics.median(times["batched"]), statistics.median(times["single"])
+    return {"what": "generation", "model": args.model, "tasks": args.task, "prompts": len(prompts),
+            "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens,
+            "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts),
+            "new_tokens_total": sum(map(len, batched)),
+            "batched_s": times["batched"], "single_s": times["single"],
+            "median_batched_s": tb, "median_single_s": ts, "speedup": ts / tb,
+            "identical_outputs": same, "torch_threads": torch.get_num_threads()}
+
+
+def harness(args) -> dict:
+    from cl_bench import registry
+
+    config, loaded, encoder, tasks = _setup(args)
+    model, pad = loaded.model, loaded.tokenizer.pad_token_id
+    rows = list(tokenize_train(encoder, tasks[0].train, None))
+    stage = Stage(0, tasks[:1], tasks[0].name)
+    t = config.train
+    batches = list(steps(rows, epoch_order(len(rows), config.seed, stage.label, 0), t.batch_size,
+                         t.micro_batch_size, pad))
+    seqft = registry.get("seqft")
+    method = seqft(seqft.parse_args({}), MethodContext(config, torch.device("cpu"), loaded.tokenizer))
+    method.setup(model)
+    backend = TorchBackend(config, torch.device("cpu"))
+
+    def through_harness() -> float:
+        optimizer = method.optimizer_for_stage(stage, None)
+        t0 = time.perf_counter()
+        with tqdm(total=len(batches), desc="harness", leave=False) as bar:
+            log = []
+            backend.train_stage(method, optimizer, stage, [rows], pad,
+                                lambda s, parts: (log.append(parts), bar.update()))
+        return time.perf_counter() - t0
+
+    def bare_loop() -> float:
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0)
+        model.train()
+        t0 = time.perf_counter()
+        for batch in batches:
+            optimizer.zero_grad(set_to_none=True)
+            for micro in batch.micro_batches:
+                w = int((micro["labels"] != IGNORE).sum()) / batch.n_tokens
+                (model(**micro).loss * w).backward()
+            torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+            optimizer.step()
+        return time.perf_counter() - t0
+
+    bare_loop()  # warm-up: allocator, first-call costs
+    times = {"harness": [], "bare": []}
+    for _ in range(args.repeats):
+        times["harness"].append(through_harness())
+        times["bare"].append(bare_loop())
+    ratios = [h / b for h, b in zip(times["harness"], times["bare"])]
+    return {"what": "harness", "model": args.model, "task": tasks[0].name, "examples": len(rows),
+            "steps": len(batches), "batch_size": t.batch_size, "micro_batch_size": t.micro_batch_size,
+            "harness_s": times["harness"], "bare_s": times["bare"], "ratios": ratios,
+            "median_ratio": statistics.median(ratios), "torch_threads": torch.get_num_threads()}
+
+
+def run(what: str, args) -> dict:
+    return {"generation": generation, "harness": harness}[what](args)

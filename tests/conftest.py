@@ -1,0 +1,49 @@
+"""Shared fixtures: a small synthetic TRACE tree and a helper to run the CLI."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from cl_bench.cli import main
+
+SMOKE_TASKS = ["NumGLUE-cm", "Py150", "20Minuten"]
+
+
+def _example(task: str, rng: random.Random) -> dict:
+    a, b = rng.randint(1, 9), rng.randint(1, 9)
+    if task == "Py150":
+        return {"prompt": f"<s> def f{a}(x):<EOL> y = x + {b}<EOL>", "answer": f"return y * <NUM_LIT:{a}>"}
+    if task == "20Minuten":
+        return {"prompt": f"Provide a simplified version of the following paragraph in German.\n\n"
+                          f"Paragraph:\nDer Hund {a} lief heute sehr schnell nach Hause {b}.\n\nSimplification:",
+                "answer": f"Der Hund {a} lief nach Hause."}
+    return {"prompt": f"Solve the following math problem.\nQuestion:\n{a} plus {b}?\nAnswer:",
+            "answer": str(a + b)}
+
+
+def make_trace(root: Path, tasks=SMOKE_TASKS, n_train: int = 12, n_test: int = 6) -> Path:
+    rng = random.Random(0)
+    for task in tasks:
+        folder = root / task
+        folder.mkdir(parents=True, exist_ok=True)
+        for split, n in (("train", n_train), ("eval", n_test), ("test", n_test)):
+            (folder / f"{split}.json").write_text(json.dumps([_example(task, rng) for _ in range(n)]))
+    return root
+
+
+@pytest.fixture
+def trace_dir(tmp_path: Path) -> Path:
+    return make_trace(tmp_path / "trace")
+
+
+def run_cli(*argv: str) -> int:
+    return main([str(a) for a in argv])
+
+
+def smoke_args(trace_dir: Path, out: Path, *extra: str) -> list[str]:
+    """A smoke run on the synthetic data; lr 1e-3 so the tiny model visibly learns."""
+    return ["run", "--profile", "smoke", "--data-dir", str(trace_dir), "--output-dir", str(out),
+            "--no-progress", "--method-arg", "lr=1e-3", *extra]

@@ -1,0 +1,81 @@
+"""Bad input: one clear line naming what, where and the fix; exit 2; no traceback."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli, smoke_args
+
+
+def error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and "Traceback" not in "\n".join(err)
+    return err[-1]
+
+
+def test_malformed_json_names_file_and_line(trace_dir, tmp_path, capsys):
+    (trace_dir / "Py150" / "train.json").write_text('[{"prompt": "a", "answer": "b"},\n{oops}]')
+    assert run_cli(*smoke_args(trace_dir, tmp_path / "out")) == 2
+    line = error_line(capsys)
+    assert "Py150/train.json:2:" in line and "fix the JSON" in line
+
+
+def test_non_string_answer_names_record_and_field(trace_dir, tmp_path, capsys):
+    (trace_dir / "20Minuten" / "test.json").write_text(json.dumps([{"prompt": "p", "answer": 3}]))
+    assert run_cli(*smoke_args(trace_dir, tmp_path / "out")) == 2
+    line = error_line(capsys)
+    assert "20Minuten/test.json" in line and "answer" in line and "int" in line
+
+
+def test_missing_split_and_missing_task_folder(trace_dir, tmp_path, capsys):
+    (trace_dir / "Py150" / "test.json").unlink()
+    assert run_cli(*smoke_args(trace_dir, tmp_path / "out")) == 2
+    assert "test.json" in error_line(capsys)
+    assert run_cli(*smoke_args(trace_dir, tmp_path / "out", "--order", "FOMC")) == 2
+    assert "FOMC" in error_line(capsys)
+
+
+@pytest.mark.parametrize("flag, value, expect", [
+    ("--order", "NumGLUE-cm,Py15O", "did you mean 'Py150'"),
+    ("--method", "seqtf", "did you mean 'seqft'"),
+    ("--model", "no-such-model", "unknown model 'no-such-model'"),
+    ("--profile", "smok", "did you mean 'smoke'"),
+    ("--method-arg", "lrr=1", "did you mean 'lr'"),
+    ("--method-arg", "lr=fast", "not a valid float"),
+    ("--set", "train.epoch=2", "did you mean 'epochs'"),
+])
+def test_unknown_names_and_values(trace_dir, tmp_path, capsys, flag, value, expect):
+    assert run_cli(*smoke_args(trace_dir, tmp_path / "out", flag, value)) == 2
+    assert expect in error_line(capsys)
+
+
+def test_unwritable_output_dir(trace_dir, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    assert run_cli(*smoke_args(trace_dir, blocker / "runs")) == 2
+    assert "not writable" in error_line(capsys)
+
+
+def test_existing_run_is_not_overwritten(trace_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run_cli(*smoke_args(trace_dir, out, "--run-id", "r1")) == 0
+    before = (out / "r1" / "run.json").read_bytes()
+    assert run_cli(*smoke_args(trace_dir, out, "--run-id", "r1")) == 2
+    assert "--resume" in error_line(capsys)
+    assert (out / "r1" / "run.json").read_bytes() == before
+
+
+def test_bad_yaml_config(trace_dir, tmp_path, capsys):
+    bad = tmp_path / "c.yaml"
+    bad.write_text("train:\n  epochs: [1\n")
+    assert run_cli(*smoke_args(trace_dir, tmp_path / "out", "--config", bad)) == 2
+    assert str(bad) in error_line(capsys)
+
+
+def test_debug_shows_the_traceback(trace_dir, tmp_path):
+    from cl_bench.errors import UserError
+
+    with pytest.raises(UserError):
+        run_cli("--debug", *smoke_args(trace_dir, tmp_path / "out", "--method", "nope"))

@@ -1,0 +1,54 @@
+"""profile defaults <- YAML file <- CLI flags; typed fields; validation."""
+from __future__ import annotations
+
+import pytest
+
+from cl_bench.config import PROFILES, resolve
+from cl_bench.errors import UserError
+
+
+def test_precedence_profile_file_flags(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("seed: 7\ntrain:\n  epochs: 3\n  batch_size: 8\nmethod_args:\n  lr: 0.001\n")
+    c = resolve("smoke", f, {"train": {"epochs": "5"}, "method_args": {"weight_decay": "0.1"}})
+    assert c.seed == 7  # file over profile
+    assert c.train.epochs == 5  # flag over file, parsed to int
+    assert c.train.batch_size == 8
+    assert c.train.micro_batch_size == PROFILES["smoke"]["train"]["micro_batch_size"]  # profile
+    assert c.method_args == {"lr": 0.001, "weight_decay": "0.1"}  # typed later by the method
+
+
+def test_profile_named_in_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("profile: smoke\n")
+    assert resolve("cpu", f, {}).model == "tiny-llama"
+
+
+def test_type_errors_name_the_field(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  epochs: many\n")
+    with pytest.raises(UserError, match="train.epochs='many' is not a valid int"):
+        resolve("smoke", f, {})
+
+
+def test_cross_field_checks():
+    with pytest.raises(UserError, match="not a multiple"):
+        resolve("smoke", None, {"train": {"batch_size": "5", "micro_batch_size": "2"}})
+    with pytest.raises(UserError, match="truncation"):
+        resolve("smoke", None, {"train": {"truncation": "middle"}})
+
+
+def test_order_accepts_a_list_from_yaml(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("data:\n  order: [FOMC, C-STANCE]\n")
+    assert resolve("smoke", f, {}).data.order == ["FOMC", "C-STANCE"]
+
+
+def test_method_args_are_typed_by_the_method():
+    from cl_bench import registry
+
+    seqft = registry.get("seqft")
+    args = seqft.parse_args({"lr": "3e-4", "beta2": 0.99})
+    assert args.lr == 3e-4 and isinstance(args.lr, float) and args.beta2 == 0.99
+    with pytest.raises(UserError, match="its arguments: lr"):
+        seqft.parse_args({"alpha": 1})

@@ -1,0 +1,118 @@
+"""The harness-owned replay buffer: budget, seeding, policies, resume."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cl_bench import results
+from cl_bench.backends.torch_backend import TorchBackend
+from cl_bench.benchmarks.trace import load_task
+from cl_bench.config import ReplayConfig
+from cl_bench.replay import ReplayBuffer
+from conftest import make_trace, run_cli, smoke_args
+
+
+def record_of(out):
+    (path,) = list(out.glob("*/run.json"))
+    return json.loads(path.read_text()), path.parent
+
+
+def test_budget_is_ten_percent_at_least_one_and_seeded(tmp_path):
+    root = make_trace(tmp_path / "t", n_train=45)
+    task = load_task(root, "Py150", None, None, seed=1)
+    buf = ReplayBuffer(ReplayConfig(), seed=1)
+    buf.add_task(task)
+    assert len(buf) == 4  # round(0.1 * 45)
+    again = ReplayBuffer(ReplayConfig(), seed=1)
+    again.add_task(task)
+    other = ReplayBuffer(ReplayConfig(), seed=2)
+    other.add_task(task)
+    assert buf.entries == again.entries != other.entries
+    tiny = ReplayBuffer(ReplayConfig(fraction=0.01), seed=1)
+    tiny.add_task(task)
+    assert len(tiny) == 1
+    fixed = ReplayBuffer(ReplayConfig(per_task=7), seed=1)
+    fixed.add_task(task)
+    assert len(fixed) == 7
+
+
+def test_buffer_round_trips_through_state_dict(tmp_path):
+    root = make_trace(tmp_path / "t", n_train=30)
+    tasks = [load_task(root, n, None, None, seed=0) for n in ("Py150", "20Minuten")]
+    buf = ReplayBuffer(ReplayConfig(), seed=0)
+    for t in tasks:
+        buf.add_task(t)
+    back = ReplayBuffer(ReplayConfig(), seed=0)
+    back.load_state_dict(buf.state_dict(), {t.name: t.train for t in tasks})
+    assert back.examples() == buf.examples() and back.per_task == {"Py150": 3, "20Minuten": 3}
+
+
+def test_interleave_adds_one_replay_micro_batch_per_step_after_task_0(trace_dir, tmp_path):
+    out = tmp_path / "runs"
+    assert run_cli(*smoke_args(trace_dir, out, "--method", "replay")) == 0
+    record, run_dir = record_of(out)
+    steps = results.read_jsonl(run_dir / "metrics.jsonl")
+    assert not any("replay_lm" in s for s in steps if s["stage"] == 0)  # buffer empty at task 0
+    assert all("replay_lm" in s for s in steps if s["stage"] > 0)
+    # smoke: n_train 8 -> 1 stored per task; 2 steps per stage x micro-batch 2 in stages 1 and 2
+    assert record["replay"]["stored"] == {"NumGLUE-cm": 1, "Py150": 1, "20Minuten": 1}
+    assert record["replay"]["used"] == 2 * 2 * 2
+
+
+def test_methods_that_do_not_replay_use_nothing_but_see_the_same_buffer(trace_dir, tmp_path):
+    out = tmp_path / "runs"
+    assert run_cli(*smoke_args(trace_dir, out)) == 0
+    record, run_dir = record_of(out)
+    assert record["replay"]["used"] == 0 and record["replay"]["size"] == 3
+    assert not any("replay_lm" in s for s in results.read_jsonl(run_dir / "metrics.jsonl"))
+
+
+def test_epoch_policy_adds_one_epoch_over_past_tasks(trace_dir, tmp_path):
+    out = tmp_path / "runs"
+    assert run_cli(*smoke_args(trace_dir, out, "--method", "replay", "--set", "replay.per_task=4",
+                               "--set", "replay.policy=epoch")) == 0
+    record, _ = record_of(out)
+    steps = [s["steps"] for s in record["timing"]["stages"]]
+    # 8 examples / batch 4 = 2 steps per task; + ceil(4 * b / 4) replay steps at stage b
+    assert steps == [2, 2 + 1, 2 + 2]
+    assert record["replay"]["used"] == 4 + 8
+
+
+def test_lima_is_opt_in(tmp_path):
+    root = make_trace(tmp_path / "t", tasks=["NumGLUE-cm", "Py150", "20Minuten", "Lima"])
+    out = tmp_path / "runs"
+    assert run_cli(*smoke_args(root, out, "--method", "replay", "--set", "replay.lima=5")) == 0
+    record, run_dir = record_of(out)
+    assert record["replay"]["stored"]["Lima"] == 5
+    assert all("replay_lm" in s for s in results.read_jsonl(run_dir / "metrics.jsonl"))
+
+
+def test_buffer_survives_resume(trace_dir, tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    assert run_cli(*smoke_args(trace_dir, straight, "--method", "replay")) == 0
+    expected, straight_dir = record_of(straight)
+
+    real = TorchBackend.train_stage
+
+    def interrupt(self, method, optimizer, stage, *a, **k):
+        if stage.index == 2:
+            raise KeyboardInterrupt
+        return real(self, method, optimizer, stage, *a, **k)
+
+    monkeypatch.setattr(TorchBackend, "train_stage", interrupt)
+    broken = tmp_path / "broken"
+    assert run_cli(*smoke_args(trace_dir, broken, "--method", "replay")) == 130
+    _, run_dir = record_of(broken)
+    monkeypatch.setattr(TorchBackend, "train_stage", real)
+    assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
+    resumed, _ = record_of(broken)
+    assert resumed["replay"] == expected["replay"]
+    assert resumed["matrix"] == expected["matrix"]
+    replay_losses = lambda d: [s.get("replay_lm") for s in results.read_jsonl(d / "metrics.jsonl")]
+    assert replay_losses(run_dir) == replay_losses(straight_dir)
+
+
+def test_bad_replay_settings_fail_early(trace_dir, tmp_path, capsys):
+    assert run_cli(*smoke_args(trace_dir, tmp_path / "o", "--set", "replay.policy=mixed")) == 2
+    assert "replay.policy" in capsys.readouterr().err

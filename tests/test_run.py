@@ -1,0 +1,136 @@
+"""End-to-end runs on the tiny model: the record, resume, the reference rows."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cl_bench import results
+from cl_bench.backends.torch_backend import TorchBackend
+from conftest import SMOKE_TASKS, run_cli, smoke_args
+
+REQUIRED = ["schema_version", "method", "method_args", "model", "tasks", "matrix", "summary",
+            "params", "config", "seed", "timing", "versions", "git_commit"]
+
+
+def only_run(out: Path) -> Path:
+    (run_dir,) = [p for p in out.iterdir() if (p / "run.json").exists()]
+    return run_dir
+
+
+def test_smoke_run_writes_a_complete_record(trace_dir, tmp_path, capsys):
+    out = tmp_path / "runs"
+    assert run_cli(*smoke_args(trace_dir, out)) == 0
+    run_dir = only_run(out)
+    record = json.loads((run_dir / "run.json").read_text())
+    for key in REQUIRED:
+        assert key in record, key
+    assert record["status"] == "complete"
+    assert record["tasks"] == SMOKE_TASKS
+    # lower-triangular: task j is scored after every stage b >= j, never before
+    for b, row in enumerate(record["matrix"]):
+        assert [v is not None for v in row] == [j <= b for j in range(3)]
+    assert set(record["summary"]) >= {"last_acc", "stage_acc", "bwt"}
+    assert record["summary"]["last_acc"] == pytest.approx(sum(record["matrix"][-1]) / 3)
+    assert len(record["params"]) == 3 and record["params"][0]["trainable"] == record["params"][0]["total"]
+    predictions = results.read_jsonl(run_dir / "predictions.jsonl")
+    assert len(predictions) == 4 * (1 + 2 + 3)  # n_test=4, tasks seen after each stage
+    assert {"stage", "task", "prompt", "prediction", "answer", "score"} <= set(predictions[0])
+    assert not (run_dir / "checkpoint").exists()  # removed once complete
+    shown = capsys.readouterr().out
+    assert str(run_dir / "run.json") in shown and "Last Acc" in shown
+
+
+def test_training_lowers_the_loss(trace_dir, tmp_path):
+    out = tmp_path / "runs"
+    assert run_cli(*smoke_args(trace_dir, out, "--set", "train.epochs=8", "--order", "NumGLUE-cm")) == 0
+    losses = [r["lm"] for r in results.read_jsonl(only_run(out) / "metrics.jsonl")]
+    assert len(losses) == 8 * 2  # 8 examples / batch 4 = 2 steps per epoch
+    assert sum(losses[-2:]) < 0.8 * sum(losses[:2])
+
+
+def test_interrupted_run_resumes_to_the_same_matrix(trace_dir, tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    assert run_cli(*smoke_args(trace_dir, straight)) == 0
+    expected = json.loads((only_run(straight) / "run.json").read_text())
+
+    real_train = TorchBackend.train_stage
+
+    def killed_in_stage_3(self, method, optimizer, stage, *args, **kwargs):
+        if stage.index == 2:
+            raise KeyboardInterrupt  # as if Ctrl-C hit in the middle of the last stage
+        return real_train(self, method, optimizer, stage, *args, **kwargs)
+
+    broken = tmp_path / "broken"
+    monkeypatch.setattr(TorchBackend, "train_stage", killed_in_stage_3)
+    assert run_cli(*smoke_args(trace_dir, broken)) == 130
+    run_dir = only_run(broken)
+    partial = json.loads((run_dir / "run.json").read_text())
+    assert partial["status"] == "interrupted" and partial["stages_done"] == 2
+    assert partial["matrix"][2] == [None, None, None]
+    assert (run_dir / "checkpoint" / "state.pt").exists()
+
+    monkeypatch.setattr(TorchBackend, "train_stage", real_train)
+    assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
+    resumed = json.loads((run_dir / "run.json").read_text())
+    assert resumed["status"] == "complete"
+    assert resumed["matrix"] == expected["matrix"]
+    assert len({v for row in expected["matrix"] for v in row if v is not None}) > 1  # not trivial
+    losses = lambda d: [r["lm"] for r in results.read_jsonl(d / "metrics.jsonl")]
+    assert losses(run_dir) == losses(only_run(straight))
+    preds = lambda d: [r["prediction"] for r in results.read_jsonl(d / "predictions.jsonl")]
+    assert preds(run_dir) == preds(only_run(straight))
+
+
+def test_resume_of_a_complete_run_is_refused(trace_dir, tmp_path, capsys):
+    out = tmp_path / "runs"
+    assert run_cli(*smoke_args(trace_dir, out)) == 0
+    assert run_cli("run", "--resume", only_run(out)) == 2
+    assert "already complete" in capsys.readouterr().err
+
+
+def test_individual_reference_row_scores_only_the_diagonal(trace_dir, tmp_path):
+    out = tmp_path / "runs"
+    assert run_cli(*smoke_args(trace_dir, out, "--method", "individual")) == 0
+    record = json.loads((only_run(out) / "run.json").read_text())
+    assert record["reference"] is True
+    for b, row in enumerate(record["matrix"]):
+        assert [v is not None for v in row] == [j == b for j in range(3)]
+    diagonal = [record["matrix"][j][j] for j in range(3)]
+    assert record["summary"]["last_acc"] == pytest.approx(sum(diagonal) / 3)
+    assert record["summary"]["bwt"] is None
+
+
+def test_individual_restarts_from_the_pretrained_weights(trace_dir, tmp_path):
+    """Each task of `individual` starts from the pretrained weights with a fresh
+    optimiser: its Py150 stage matches a one-task Py150 run step for step."""
+    solo = tmp_path / "solo"
+    assert run_cli(*smoke_args(trace_dir, solo, "--order", "Py150")) == 0
+    out = tmp_path / "ind"
+    assert run_cli(*smoke_args(trace_dir, out, "--method", "individual")) == 0
+    losses = lambda d, stage: [r["lm"] for r in results.read_jsonl(d / "metrics.jsonl")
+                               if r["stage"] == stage]
+    assert losses(only_run(out), 1) == pytest.approx(losses(only_run(solo), 0), rel=1e-5)
+    seqft = tmp_path / "seq"
+    assert run_cli(*smoke_args(trace_dir, seqft)) == 0
+    assert losses(only_run(seqft), 1) != pytest.approx(losses(only_run(solo), 0), rel=1e-5)
+
+
+def test_multitask_reference_trains_once_and_scores_all(trace_dir, tmp_path):
+    out = tmp_path / "runs"
+    assert run_cli(*smoke_args(trace_dir, out, "--method", "multitask")) == 0
+    record = json.loads((only_run(out) / "run.json").read_text())
+    assert len(record["matrix"]) == 1 and None not in record["matrix"][0]
+    assert record["stages"][0]["tasks"] == SMOKE_TASKS
+    assert record["timing"]["stages"][0]["steps"] == 3 * 8 // 4
+    assert record["summary"]["bwt"] is None
+
+
+def test_eval_all_adds_zero_shot_row_and_fwt(trace_dir, tmp_path):
+    out = tmp_path / "runs"
+    assert run_cli(*smoke_args(trace_dir, out, "--eval-all")) == 0
+    record = json.loads((only_run(out) / "run.json").read_text())
+    assert len(record["zero_shot"]) == 3
+    assert all(v is not None for row in record["matrix"] for v in row)
+    assert record["summary"]["fwt"] is not None
