@@ -1,4 +1,4 @@
-"""`cl-bench`: run | list | leaderboard | score | perf.
+"""`cl-bench`: run | list | leaderboard | score | params | perf.
 
 Bad input raises UserError anywhere below; here it becomes one line on stderr
 and exit code 2 (a traceback only with --debug).
@@ -171,10 +171,23 @@ def _read_predictions(path: Path, task: str, stage: int | None) -> list[dict]:
     return rows
 
 
-def cmd_perf(args) -> int:
-    from cl_bench import perf
+def cmd_params(args) -> int:
+    from cl_bench.models.params import format_schedule, params_command
 
-    result = perf.run(args.what, args)
+    rows = params_command(args.model, args.method, args.tasks, dict(args.method_arg))
+    print(json.dumps(rows, indent=2) if args.json else format_schedule(rows))
+    return 0
+
+
+def cmd_perf(args) -> int:
+    if args.what == "moe":
+        from cl_bench.perf_moe import moe_benchmark
+
+        result = moe_benchmark(repeats=args.repeats)
+    else:
+        from cl_bench import perf
+
+        result = perf.run(args.what, args)
     print(json.dumps(result, indent=2))
     if args.output:
         from cl_bench.results import write_json
@@ -201,8 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--predictions", type=Path, required=True,
                    help='JSONL, one {"prompt", "prediction", "answer"} per line')
     p.add_argument("--stage", type=int, help="with cl-bench's predictions.jsonl: which stage")
-    p = sub.add_parser("perf", help="measure generation speed-up or harness overhead")
-    p.add_argument("what", choices=["generation", "harness"])
+    p = sub.add_parser("params", help="parameter counts per stage of a method's schedule, no training")
+    p.add_argument("--model", required=True, help="llama-3.2-1b | llama-3.2-3b | tiny-llama")
+    p.add_argument("--method", required=True)
+    p.add_argument("--tasks", type=int, required=True)
+    p.add_argument("--method-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("perf", help="measure generation speed-up, harness overhead or MoE dispatch")
+    p.add_argument("what", choices=["generation", "harness", "moe"])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--task", default="NumGLUE-ds")
     p.add_argument("--n", type=int, default=32, help="prompts (generation) or examples (harness)")
@@ -215,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"run": cmd_run, "list": cmd_list, "leaderboard": cmd_leaderboard, "score": cmd_score,
-            "perf": cmd_perf}
+            "params": cmd_params, "perf": cmd_perf}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -119,7 +119,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     },
     "cpu": {
         "model": "smollm2-135m",
-        "data": {"order": "paper6", "n_train": 48, "n_test": 20},
+        "data": {"order": "paper6", "n_train": 64, "n_test": 24},
         "train": {"batch_size": 8, "micro_batch_size": 4, "epochs": 1,
                   "max_prompt_len": 256, "max_answer_len": 96, "truncation_head": 48},
         "eval": {"batch_size": 16, "max_new_tokens_cap": 64},

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import stat
-import tempfile
 from pathlib import Path
 
 import pandas as pd
 from tabulate import tabulate
 
 from cl_bench.errors import UserError
+from cl_bench.results import SCHEMA_VERSION, atomic_write_text
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_SCHEMA_VERSION = 1
+SUPPORTED_SCHEMA_VERSION = SCHEMA_VERSION
 FORMATS = ("md", "csv", "latex")
 MISSING = "–"  # en dash, for md and latex; csv leaves the cell empty
 
@@ -222,12 +220,4 @@ def update_readme(
             f"a line {end} where the table should go"
         )
     new = text[: start + len(begin)] + "\n\n" + table_md.strip("\n") + "\n\n" + text[stop:]
-    fd, tmp = tempfile.mkstemp(dir=readme_path.parent, prefix=f".{readme_path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(new)
-        os.chmod(tmp, stat.S_IMODE(readme_path.stat().st_mode))  # mkstemp makes 0600; keep the README's mode
-        os.replace(tmp, readme_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(readme_path, new)

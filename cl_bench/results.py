@@ -10,6 +10,7 @@ import os
 import platform
 import random
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -28,12 +29,16 @@ CHECKPOINT_DIR = "checkpoint"
 
 
 def atomic_write_text(path: Path, text: str) -> None:
+    """Write via a temporary file in the same folder, then os.replace; an existing
+    file keeps its permission bits (mkstemp would make it 0600)."""
+    mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o644
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as fh:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

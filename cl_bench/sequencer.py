@@ -203,6 +203,7 @@ def _restore(run: Run) -> None:
     metrics = run.run_dir / results.METRICS_FILE
     results.write_jsonl(metrics, [r for r in results.read_jsonl(metrics) if r["stage"] < done])
     rec["status"] = "running"
+    rec.setdefault("resumes", []).append({"at_stage": done, "command": shlex.join(["cl-bench", *sys.argv[1:]])})
     log.info("resuming %s at stage %d/%d", run.run_dir, done + 1, len(run.stages))
 
 

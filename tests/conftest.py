@@ -1,13 +1,22 @@
 """Shared fixtures: a small synthetic TRACE tree and a helper to run the CLI."""
 from __future__ import annotations
 
+import os
+
+# Tiny models are dominated by per-op overhead: one thread is faster, and on a
+# busy 2-core machine it avoids oversubscription (subprocesses inherit this).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import json
 import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from cl_bench.cli import main
+
+torch.set_num_threads(1)
 
 SMOKE_TASKS = ["NumGLUE-cm", "Py150", "20Minuten"]
 

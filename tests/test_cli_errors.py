@@ -26,7 +26,7 @@ def test_non_string_answer_names_record_and_field(trace_dir, tmp_path, capsys):
     (trace_dir / "20Minuten" / "test.json").write_text(json.dumps([{"prompt": "p", "answer": 3}]))
     assert run_cli(*smoke_args(trace_dir, tmp_path / "out")) == 2
     line = error_line(capsys)
-    assert "20Minuten/test.json" in line and "answer" in line and "int" in line
+    assert "20Minuten/test.json" in line and "answer" in line and "number" in line
 
 
 def test_missing_split_and_missing_task_folder(trace_dir, tmp_path, capsys):

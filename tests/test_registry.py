@@ -15,6 +15,7 @@ from cl_bench.errors import UserError
 from cl_bench.method import Method
 
 REPO = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "cl_bench.cli"]  # the venv's cl-bench, whatever PATH holds
 
 
 def test_duplicate_name_is_refused():
@@ -76,10 +77,10 @@ class Frozen(Method):
 def test_outside_plugin_is_found_and_runs(tmp_path, trace_dir):
     (tmp_path / "site").mkdir()
     env = _plugin_dist(tmp_path / "site", "clb_outside", OUTSIDE, "head-only = clb_outside:Frozen")
-    listed = subprocess.run(["cl-bench", "list"], capture_output=True, text=True, env=env, check=True)
+    listed = subprocess.run([*CLI, "list"], capture_output=True, text=True, env=env, check=True)
     assert "head-only" in listed.stdout and "outside plugin" in listed.stdout
     out = tmp_path / "runs"
-    subprocess.run(["cl-bench", "run", "--profile", "smoke", "--method", "head-only", "--data-dir",
+    subprocess.run([*CLI, "run", "--profile", "smoke", "--method", "head-only", "--data-dir",
                     trace_dir, "--output-dir", out, "--no-progress", "--order", "NumGLUE-cm"],
                    env=env, check=True, capture_output=True)
     (record,) = [json.loads(p.read_text()) for p in out.glob("*/run.json")]
@@ -92,10 +93,10 @@ def test_broken_plugin_never_breaks_list(tmp_path):
     (tmp_path / "site").mkdir()
     env = _plugin_dist(tmp_path / "site", "clb_broken", "raise ImportError('needs libfoo')",
                        "broken-one = clb_broken")
-    listed = subprocess.run(["cl-bench", "list"], capture_output=True, text=True, env=env)
+    listed = subprocess.run([*CLI, "list"], capture_output=True, text=True, env=env)
     assert listed.returncode == 0
     assert "seqft" in listed.stdout and "(broken)" in listed.stdout and "needs libfoo" in listed.stdout
-    chosen = subprocess.run(["cl-bench", "run", "--profile", "smoke", "--method", "broken-one"],
+    chosen = subprocess.run([*CLI, "run", "--profile", "smoke", "--method", "broken-one"],
                             capture_output=True, text=True, env=env)
     assert chosen.returncode == 2
     assert "failed to load" in chosen.stderr and "needs libfoo" in chosen.stderr
@@ -103,5 +104,5 @@ def test_broken_plugin_never_breaks_list(tmp_path):
 
 
 def test_list_verbose_shows_typed_arguments():
-    out = subprocess.run(["cl-bench", "list", "--verbose"], capture_output=True, text=True, check=True)
+    out = subprocess.run([*CLI, "list", "--verbose"], capture_output=True, text=True, check=True)
     assert "lr: float = 1e-05" in out.stdout

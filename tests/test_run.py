@@ -134,3 +134,18 @@ def test_eval_all_adds_zero_shot_row_and_fwt(trace_dir, tmp_path):
     assert len(record["zero_shot"]) == 3
     assert all(v is not None for row in record["matrix"] for v in row)
     assert record["summary"]["fwt"] is not None
+
+
+def test_leaderboard_command_reads_real_runs(trace_dir, tmp_path, capsys):
+    out = tmp_path / "runs"
+    for method in ("seqft", "replay"):
+        assert run_cli(*smoke_args(trace_dir, out, "--method", method)) == 0
+    capsys.readouterr()
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n<!-- leaderboard:begin -->\nold\n<!-- leaderboard:end -->\n")
+    assert run_cli("leaderboard", "--runs", out, "--update-readme", readme) == 0
+    shown = capsys.readouterr().out
+    assert "| seqft" in shown and "| replay" in shown
+    assert "old" not in readme.read_text() and "| replay" in readme.read_text()
+    assert run_cli("leaderboard", "--runs", out, "--format", "csv") == 0
+    assert capsys.readouterr().out.startswith("Method,Model")

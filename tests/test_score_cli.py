@@ -35,7 +35,7 @@ def test_score_errors(tmp_path, capsys):
 def test_rescoring_a_runs_predictions_matches_its_matrix(trace_dir, tmp_path, capsys):
     out = tmp_path / "runs"
     assert run_cli(*smoke_args(trace_dir, out)) == 0
-    (run_dir,) = list(out.iterdir())
+    (run_dir,) = [p.parent for p in out.glob("*/run.json")]
     record = json.loads((run_dir / "run.json").read_text())
     capsys.readouterr()
     for j, task in enumerate(record["tasks"]):

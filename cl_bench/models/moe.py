@@ -1,0 +1,357 @@
+"""The upcycled MoE layer shared by every MoE method (METHODS.md, "The upcycled MoE layer").
+
+A Llama-style SwiGLU MLP  y = W_down(act(W_gate x) * (W_up x))  with W_gate, W_up: [H, d]
+and W_down: [d, H] is replaced in place by
+
+    y = dense(x) + s * sum_{e in top-k(x)} w_e(x) * expert_e(x)
+
+- dense: the original MLP, frozen, kept as an always-on shared path (the
+  upcycling paper's code does the same, bilevel-reference.md §1).
+- expert i of a group of K takes rows [i*h, (i+1)*h) of W_gate and W_up and the
+  same columns of W_down, h = H / K (a "slice"); the K slices of a group summed
+  with weight 1 are the dense MLP exactly.
+- router: one row (and bias) per expert, softmax over all E experts in fp32,
+  top-k, weights renormalised to sum to 1 (no noise, no capacity limit).
+- s: a learned per-layer scale on the routed sum, `routed_scale_init` (default
+  0). dense + routed slices != dense, so with s = 0 the upcycled model starts as
+  exactly the dense model; s = 1 is the paper code's layer (not function-
+  preserving). With s = 0 the experts get no gradient until s has moved (like
+  LoRA's B = 0): with Adam, s moves by about lr per step.
+- load balancing (Switch): coef * E * sum_i f_i * P_i, with f_i the share of the
+  N*k token->expert assignments that go to expert i (sums to 1, as MegaBlocks;
+  Mixtral's f sums to k) and P_i the mean router probability of expert i over
+  the N tokens. Set on the layer as `aux_loss` by every training forward;
+  `load_balancing_loss(model)` sums it over layers.
+
+Experts live in groups (`ExpertGroup`): stacked tensors gate/up [n, h, d] and
+down [n, d, h] plus the group's own router rows [n, d] and biases [n]. The
+router of a layer is the concatenation of its groups' rows in group order, so
+row e always scores expert e: adding a group appends its experts and its rows
+together and cannot misalign them (the paper's code appends rows at the end
+while inserting experts in the middle, bilevel-reference.md §2). A group is
+one parameter set: freezing old experts *and* their router rows is
+`group.requires_grad_(False)`, which stays exact under AdamW (masking the
+gradient of rows of one shared router matrix would not: carried Adam moments
+and weight decay still move masked rows).
+
+Letters: B batch, T sequence, N = B*T tokens, d width, H FFN width, K experts
+per group, h = H/K expert width, E experts in the layer, k experts per token.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cl_bench.errors import UserError
+
+# (dense MLP, K) -> gate [n, h, d], up [n, h, d], down [n, d, h]
+ExpertInit = Callable[[nn.Module, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+SAVE_FORMAT = "cl-bench-upcycled/1"
+
+
+# ---- expert initialisers ------------------------------------------------------
+
+def slice_experts(dense: nn.Module, n_per_group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The K SwiGLU slices of `dense`, copied: expert i = rows [i*h, (i+1)*h) of
+    gate/up, the same columns of down."""
+    gate_w = dense.gate_proj.weight.detach()  # (H, d)
+    H, d = gate_w.shape
+    h = H // n_per_group
+    gate = gate_w.reshape(n_per_group, h, d).clone()  # (K, h, d)
+    up = dense.up_proj.weight.detach().reshape(n_per_group, h, d).clone()
+    down = dense.down_proj.weight.detach().reshape(d, n_per_group, h).permute(1, 0, 2).contiguous()  # (K, d, h)
+    return gate, up, down
+
+
+def drop_upcycle_experts(dense: nn.Module, n_per_group: int, ratio: float = 0.5):
+    """Drop-Upcycling (Nakamura et al., 2025) on the slices: in each expert, one
+    random set of floor(ratio*h) neurons is re-initialised, shared by the gate
+    rows, up rows and down columns (the paper; its code draws a set per matrix).
+    Each replaced block is drawn from N(mu, sigma) with mu, sigma the mean and std
+    of the entries it replaces, per matrix and expert (as the code's
+    `shuffle_and_partially_initialize`)."""
+    gate, up, down = slice_experts(dense, n_per_group)
+    n, h = gate.shape[0], gate.shape[1]
+    n_drop = int(ratio * h)
+    for i in range(n):
+        idx = torch.randperm(h)[:n_drop].to(gate.device)
+        gate[i, idx] = _redraw(gate[i, idx])  # (n_drop, d)
+        up[i, idx] = _redraw(up[i, idx])
+        down[i][:, idx] = _redraw(down[i][:, idx])  # (d, n_drop)
+    return gate, up, down
+
+
+def drop_upcycle_init(ratio: float) -> ExpertInit:
+    return functools.partial(drop_upcycle_experts, ratio=ratio)
+
+
+def _redraw(w: torch.Tensor) -> torch.Tensor:
+    return torch.randn_like(w) * w.std() + w.mean()  # tensors, not .item(): works on meta
+
+
+def _zero_experts(dense: nn.Module, n_per_group: int, n: int):
+    """Placeholders of the right shape for `rebuild` (weights are loaded after)."""
+    H, d = dense.gate_proj.weight.shape
+    h = H // n_per_group
+    like = dense.gate_proj.weight
+    return (like.new_zeros(n, h, d), like.new_zeros(n, h, d), like.new_zeros(n, d, h))
+
+
+# ---- the layer ------------------------------------------------------------------
+
+class ExpertGroup(nn.Module):
+    """n SwiGLU experts of width h, stacked, with their router rows."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                 router_weight: torch.Tensor, router_bias: torch.Tensor):
+        super().__init__()
+        n, h, d = gate.shape
+        assert up.shape == (n, h, d) and down.shape == (n, d, h), (gate.shape, up.shape, down.shape)
+        assert router_weight.shape == (n, d) and router_bias.shape == (n,)
+        self.gate = nn.Parameter(gate)  # (n, h, d)
+        self.up = nn.Parameter(up)  # (n, h, d)
+        self.down = nn.Parameter(down)  # (n, d, h)
+        self.router_weight = nn.Parameter(router_weight)  # (n, d): row i scores expert i
+        self.router_bias = nn.Parameter(router_bias)  # (n,)
+
+    def __len__(self) -> int:
+        return self.gate.shape[0]
+
+
+class UpcycledMoE(nn.Module):
+    """dense(x) + routed_scale * sum over top-k experts; see the module docstring."""
+
+    def __init__(self, dense: nn.Module, k: int = 2, n_per_group: int = 8, lb_coef: float = 0.01,
+                 routed_scale_init: float = 0.0):
+        super().__init__()
+        for name in ("gate_proj", "up_proj", "down_proj", "act_fn"):
+            if not hasattr(dense, name):
+                raise UserError(f"cannot upcycle {type(dense).__name__}: it has no '{name}'; "
+                                f"only Llama-style SwiGLU MLPs (gate_proj/up_proj/down_proj) are supported")
+        if any(getattr(dense, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
+            raise UserError(f"cannot upcycle {type(dense).__name__} with biases (mlp_bias=True): "
+                            f"the down bias does not split into slices")
+        H, d = dense.gate_proj.weight.shape
+        if H % n_per_group:
+            raise UserError(f"FFN width {H} does not split into {n_per_group} experts; "
+                            f"choose experts_per_task dividing {H}")
+        self.dense = dense.requires_grad_(False)
+        self.k = k
+        self.n_per_group = n_per_group
+        self.lb_coef = lb_coef
+        self.d, self.h = d, H // n_per_group
+        self.groups = nn.ModuleList()
+        w = dense.gate_proj.weight
+        self.routed_scale = nn.Parameter(torch.full((), float(routed_scale_init), dtype=w.dtype,
+                                                    device=w.device))
+        self.aux_loss: torch.Tensor | None = None  # set by each training forward
+
+    @property
+    def n_experts(self) -> int:
+        return sum(len(g) for g in self.groups)
+
+    def group_sizes(self) -> list[int]:
+        return [len(g) for g in self.groups]
+
+    def settings(self) -> dict:
+        return {"k": self.k, "n_per_group": self.n_per_group, "lb_coef": self.lb_coef}
+
+    def add_group(self, init: ExpertInit = slice_experts, router_std: float = 0.02) -> list[nn.Parameter]:
+        """Append the experts `init` makes (K slices by default) with new router rows
+        ~ N(0, router_std) (zeros when 0) and zero biases, so row i of the layer's
+        router keeps scoring expert i. Returns the new group's parameters."""
+        gate, up, down = init(self.dense, self.n_per_group)
+        n = gate.shape[0]
+        if gate.shape[1:] != (self.h, self.d):
+            raise ValueError(f"new experts have shape {tuple(gate.shape[1:])}, the layer's are "
+                             f"{(self.h, self.d)}")
+        like = self.dense.gate_proj.weight
+        router_weight = like.new_zeros(n, self.d)
+        if router_std > 0:
+            router_weight.normal_(0.0, router_std)
+        group = ExpertGroup(gate, up, down, router_weight, like.new_zeros(n))
+        self.groups.append(group)
+        return list(group.parameters())
+
+    def router_weight(self) -> torch.Tensor:
+        return torch.cat([g.router_weight for g in self.groups])  # (E, d)
+
+    def router_bias(self) -> torch.Tensor:
+        return torch.cat([g.router_bias for g in self.groups])  # (E,)
+
+    def experts(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(gate [h, d], up [h, d], down [d, h]) of each expert, in router-row order.
+        unbind views: their backward is one stack per group."""
+        return [e for g in self.groups for e in zip(g.gate.unbind(0), g.up.unbind(0), g.down.unbind(0))]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (N, d) -> probs (N, E) fp32, weights (N, k) fp32 summing to 1, indices (N, k)."""
+        if self.k > self.n_experts:
+            raise ValueError(f"top-{self.k} routing over {self.n_experts} experts")
+        logits = F.linear(x.float(), self.router_weight().float(), self.router_bias().float())
+        probs = logits.softmax(dim=-1)
+        top, indices = probs.topk(self.k, dim=-1)
+        return probs, top / top.sum(dim=-1, keepdim=True), indices
+
+    def balance_loss(self, probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """coef * E * sum_i f_i * P_i (Switch Transformer, Fedus et al. 2021, eq. 4);
+        f_i: share of the N*k assignments routed to i; P_i: mean probability of i."""
+        E = probs.shape[-1]
+        f = torch.bincount(indices.reshape(-1), minlength=E).to(probs.dtype) / indices.numel()
+        return self.lb_coef * E * torch.dot(f, probs.mean(dim=0))
+
+    def experts_forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """sum_j weights[:, j] * expert_{indices[:, j]}(x), grouped by expert: the
+        N*k assignments are sorted by expert, each expert runs once on its own
+        tokens (experts without tokens are skipped), results are added back.
+        x: (N, d); weights, indices: (N, k) -> (N, d)."""
+        N, k = indices.shape
+        flat = indices.reshape(-1)  # (N*k,)
+        order = torch.argsort(flat, stable=True)
+        token = order // k  # token of each sorted assignment
+        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        xs = x.index_select(0, token)  # (N*k, d), grouped by expert
+        outs, start = [], 0
+        for (gate, up, down), n in zip(self.experts(), counts):
+            if n:
+                xe = xs[start:start + n]
+                outs.append((self.dense.act_fn(xe @ gate.T) * (xe @ up.T)) @ down.T)  # (n, d)
+                start += n
+        if not outs:  # no tokens at all
+            return torch.zeros_like(x)
+        ys = torch.cat(outs) * weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)  # (N*k, d)
+        return torch.zeros_like(x).index_add(0, token, ys)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape  # (B, T, d)
+        flat = x.reshape(-1, shape[-1])  # (N, d)
+        probs, weights, indices = self.route(flat)
+        use_lb = self.training and self.lb_coef > 0
+        self.aux_loss = self.balance_loss(probs, indices) if use_lb else None
+        routed = self.experts_forward(flat, weights, indices).reshape(shape)
+        return self.dense(x) + self.routed_scale * routed
+
+
+# ---- whole models -----------------------------------------------------------------
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder blocks of a Llama-style model (`model.model.layers`)."""
+    for owner in (getattr(model, "model", None), model):
+        layers = getattr(owner, "layers", None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise UserError(f"{type(model).__name__}: no decoder layers found at model.model.layers; "
+                    f"only Llama-style causal LMs can be upcycled")
+
+
+def moe_layers(model: nn.Module) -> list[UpcycledMoE]:
+    """The MoE layers of `model`, in depth order."""
+    return [m for m in model.modules() if isinstance(m, UpcycledMoE)]
+
+
+def group_sizes(model: nn.Module) -> list[list[int] | None]:
+    """Per decoder layer: the sizes of its expert groups, or None for a dense MLP."""
+    return [b.mlp.group_sizes() if isinstance(b.mlp, UpcycledMoE) else None
+            for b in decoder_layers(model)]
+
+
+def experts_per_layer(model: nn.Module) -> list[int] | None:
+    """Experts in each decoder layer (0 for a dense MLP); None if no layer is MoE."""
+    sizes = group_sizes(model)
+    if all(s is None for s in sizes):
+        return None
+    return [sum(s) if s else 0 for s in sizes]
+
+
+def _check_layers(n: int, layers) -> list[int]:
+    chosen = list(range(n)) if layers is None else list(layers)
+    bad = [i for i in chosen if not 0 <= i < n]
+    if bad:
+        raise UserError(f"MoE layers {bad} out of range: the model has {n} decoder layers (0..{n - 1})")
+    return chosen
+
+
+def upcycle_model(model: nn.Module, layers: list[int] | None = None, k: int = 2, n_per_group: int = 8,
+                  lb_coef: float = 0.01, routed_scale_init: float = 0.0,
+                  init: ExpertInit = slice_experts, router_std: float = 0.02) -> list[UpcycledMoE]:
+    """Replace the MLP of `layers` (default: all) by an UpcycledMoE with one group
+    of `n_per_group` experts made by `init`, in place. Returns the new layers."""
+    blocks = decoder_layers(model)
+    out = []
+    for i in _check_layers(len(blocks), layers):
+        if isinstance(blocks[i].mlp, UpcycledMoE):
+            raise ValueError(f"decoder layer {i} is already upcycled")
+        moe = UpcycledMoE(blocks[i].mlp, k, n_per_group, lb_coef, routed_scale_init)
+        moe.add_group(init, router_std)
+        blocks[i].mlp = moe
+        out.append(moe)
+    return out
+
+
+def rebuild(model: nn.Module, layout: list, *, k: int = 2, n_per_group: int = 8, lb_coef: float = 0.01,
+            routed_scale_init: float = 0.0) -> list[UpcycledMoE]:
+    """Give `model` the architecture `layout` so a saved state_dict loads into it.
+    layout[i] per decoder layer: None or 0 (dense), an int (that many experts, in
+    groups of n_per_group) or a list of group sizes. Layers already upcycled keep
+    their groups and grow to the layout; weights are zero placeholders."""
+    blocks = decoder_layers(model)
+    if len(layout) != len(blocks):
+        raise ValueError(f"layout has {len(layout)} entries, the model {len(blocks)} decoder layers")
+    for i, (block, want) in enumerate(zip(blocks, layout)):
+        if isinstance(want, int):
+            if want % n_per_group:
+                raise ValueError(f"layer {i}: {want} experts are not groups of {n_per_group}; "
+                                 f"give the group sizes")
+            want = [n_per_group] * (want // n_per_group)
+        if not want:
+            if isinstance(block.mlp, UpcycledMoE):
+                raise ValueError(f"layer {i} is upcycled but the layout says dense")
+            continue
+        if not isinstance(block.mlp, UpcycledMoE):
+            block.mlp = UpcycledMoE(block.mlp, k, n_per_group, lb_coef, routed_scale_init)
+        have = block.mlp.group_sizes()
+        if have != list(want[:len(have)]):
+            raise ValueError(f"layer {i} has groups {have}, which are not a prefix of {list(want)}")
+        for n in want[len(have):]:
+            block.mlp.add_group(functools.partial(_zero_experts, n=n), router_std=0.0)
+    return moe_layers(model)
+
+
+def load_balancing_loss(model: nn.Module, clear: bool = True) -> torch.Tensor:
+    """Sum over MoE layers of the balancing loss of their last training forward
+    (0 if none). Clears it by default, so a stale value is never added twice and
+    the layer holds no graph afterwards (deepcopy of a model fails on it)."""
+    total = None
+    for layer in moe_layers(model):
+        if layer.aux_loss is not None:
+            total = layer.aux_loss if total is None else total + layer.aux_loss
+            if clear:
+                layer.aux_loss = None
+    if total is None:
+        p = next(model.parameters())
+        return torch.zeros((), device=p.device)
+    return total
+
+
+def save_upcycled(model: nn.Module, path: str | Path) -> None:
+    """The state_dict with what `rebuild` needs (group sizes and layer settings)."""
+    settings = [m.settings() for m in moe_layers(model)]
+    torch.save({"format": SAVE_FORMAT, "layout": group_sizes(model),
+                "settings": settings[0] if settings else None,
+                "state_dict": model.state_dict()}, path)
+
+
+def load_upcycled(model: nn.Module, path: str | Path, map_location="cpu") -> nn.Module:
+    """Rebuild the dense `model` (same base architecture) to the saved layout and load."""
+    saved = torch.load(path, map_location=map_location, weights_only=True)
+    if saved.get("format") != SAVE_FORMAT:
+        raise UserError(f"{path}: not a cl-bench upcycled model (format {saved.get('format')!r})")
+    rebuild(model, saved["layout"], **(saved["settings"] or {}))
+    model.load_state_dict(saved["state_dict"])
+    return model

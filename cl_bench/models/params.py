@@ -1,0 +1,81 @@
+"""Parameter accounting (PROTOCOL.md, "Parameter accounting").
+
+total: every parameter held (tied weights once); trainable: requires_grad now;
+active_per_token: what one token touches at inference: everything except, in
+each MoE layer, the experts outside its top-k (the shared dense path, the whole
+router and k experts count); deployed: what an exported model needs; for an
+upcycled model that is all of it, as any expert may be routed to.
+
+`schedule_report` gives these per stage of a method's growth schedule without
+training or weights: on the meta device for the known configurations. A method
+class declares its growth with a classmethod
+    param_schedule(model, n_tasks, args) -> list[dict]   (one row per stage);
+methods without one (the dense baselines) get the same report every stage.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from cl_bench.errors import UserError
+from cl_bench.models.moe import experts_per_layer, moe_layers
+
+
+def count(model: nn.Module) -> dict[str, Any]:
+    """total, trainable, active_per_token, deployed, experts_per_layer of `model`."""
+    params = list(model.parameters())  # deduplicated: tied embeddings count once
+    total = sum(p.numel() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    idle = 0  # expert parameters a token does not touch
+    for layer in moe_layers(model):
+        per_expert = 3 * layer.h * layer.d  # gate + up + down of one slice
+        idle += max(layer.n_experts - layer.k, 0) * per_expert
+    return {"total": total, "trainable": trainable, "active_per_token": total - idle,
+            "deployed": total, "experts_per_layer": experts_per_layer(model)}
+
+
+def _model(spec: str | nn.Module) -> nn.Module:
+    if isinstance(spec, nn.Module):
+        return spec
+    from cl_bench.models.loading import TINY, meta_model, tiny_llama
+
+    if spec == TINY:
+        return tiny_llama(0)[0]
+    return meta_model(spec)  # UserError listing the known names otherwise
+
+
+def schedule_report(model: str | nn.Module, method: str, n_tasks: int,
+                    method_args: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One row per stage ({"stage": t, **count}) of `method`'s growth over
+    `n_tasks` tasks. `model`: a known configuration name (built on the meta
+    device), 'tiny-llama', or a model (modified in place by the schedule)."""
+    from cl_bench import registry
+
+    if n_tasks < 1:
+        raise UserError(f"--tasks {n_tasks}: give at least 1 task")
+    cls = registry.get(method)
+    args = cls.parse_args(method_args or {})
+    net = _model(model)
+    schedule = getattr(cls, "param_schedule", None)
+    if schedule is None:  # dense methods: the model does not change
+        return [{"stage": t, **count(net)} for t in range(n_tasks)]
+    return schedule(net, n_tasks, args)
+
+
+def params_command(model: str, method: str, tasks: int,
+                   method_args: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """What `cl-bench params --model M --method X --tasks N` reports."""
+    return schedule_report(model, method, tasks, method_args)
+
+
+def format_schedule(rows: list[dict[str, Any]]) -> str:
+    """A plain-text table of `schedule_report` rows, counts in billions."""
+    lines = [f"{'stage':>5}  {'total':>9}  {'trainable':>9}  {'active/tok':>10}  {'deployed':>9}  experts/layer"]
+    for r in rows:
+        experts = r.get("experts_per_layer")
+        shown = "-" if experts is None else (
+            str(experts[0]) if len(set(experts)) == 1 else ",".join(map(str, experts)))
+        lines.append(f"{r['stage']:>5}  {r['total'] / 1e9:>8.3f}B  {r['trainable'] / 1e9:>8.3f}B  "
+                     f"{r['active_per_token'] / 1e9:>9.3f}B  {r['deployed'] / 1e9:>8.3f}B  {shown}")
+    return "\n".join(lines)

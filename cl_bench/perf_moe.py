@@ -1,0 +1,79 @@
+"""MoE dispatch cost against the number of experts (`cl-bench perf moe`).
+
+One UpcycledMoE layer at SmolLM2-135M's width (d 576, FFN 1536: slices of 192),
+fp32 on the CPU, forward + backward over `tokens` tokens, for each expert count
+E in `experts` (groups of 8). As in upcycle's task t, only the newest group
+trains (`all_trainable=True`: every group, the harder case: frozen experts skip
+their weight gradients) and routing is top-2 with new-row router init (near-uniform, so the
+tokens spread over all E experts); the routed scale is 1 so every path carries
+gradient. Because dispatch groups tokens by expert, the routed work is 2
+experts per token whatever E is: the time at E = 48 should stay within 1.25x of
+E = 8. The dense MLP alone is timed too, to show the routed share of the layer.
+Repeats are interleaved over E and the median is reported.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from cl_bench.models.moe import UpcycledMoE
+
+log = logging.getLogger(__name__)
+
+
+def _dense_mlp(d: int, H: int) -> nn.Module:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    return LlamaMLP(LlamaConfig(hidden_size=d, intermediate_size=H))
+
+
+def _layer(dense: nn.Module, n_experts: int, k: int, all_trainable: bool) -> UpcycledMoE:
+    layer = UpcycledMoE(dense, k=k, routed_scale_init=1.0)
+    while layer.n_experts < n_experts:
+        for group in layer.groups:
+            group.requires_grad_(all_trainable)
+        layer.add_group()
+    return layer.train()
+
+
+def _fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> float:
+    x = x.detach().requires_grad_()  # the residual stream carries gradient past the layer
+    t0 = time.perf_counter()
+    module(x).backward(grad)
+    return time.perf_counter() - t0
+
+
+def moe_benchmark(d: int = 576, H: int = 1536, tokens: int = 4096, experts=(8, 16, 48), k: int = 2,
+                  repeats: int = 5, all_trainable: bool = False) -> dict:
+    """Median seconds of one forward+backward per expert count, and ratios to the first."""
+    torch.manual_seed(0)
+    dense = _dense_mlp(d, H)
+    layers = {E: _layer(dense, E, k, all_trainable) for E in experts}
+    x = torch.randn(1, tokens, d)  # (B, T, d)
+    grad = torch.randn_like(x)
+    times: dict[str, list[float]] = {"dense": [], **{str(E): [] for E in experts}}
+    for layer in layers.values():  # warm-up: allocator and first-call costs
+        _fwd_bwd(layer, x, grad)
+    for _ in range(repeats):
+        times["dense"].append(_fwd_bwd(dense, x, grad))
+        for E, layer in layers.items():
+            times[str(E)].append(_fwd_bwd(layer, x, grad))
+            layer.zero_grad(set_to_none=True)
+    median = {key: statistics.median(v) for key, v in times.items()}
+    base = str(experts[0])
+    ratio = {str(E): median[str(E)] / median[base] for E in experts}
+    routed = {str(E): median[str(E)] - median["dense"] for E in experts}
+    routed_ratio = {str(E): routed[str(E)] / routed[base] for E in experts}
+    for E in experts:
+        log.info("E=%d: %.3fs (x%.2f vs E=%s; routed part %.3fs, x%.2f)", E, median[str(E)],
+                 ratio[str(E)], base, routed[str(E)], routed_ratio[str(E)])
+    return {"what": "moe", "d": d, "H": H, "tokens": tokens, "k": k, "experts": list(experts),
+            "repeats": repeats, "all_trainable": all_trainable, "seconds": times, "median_s": median, "ratio_vs_first": ratio,
+            "routed_s": routed, "routed_ratio_vs_first": routed_ratio,
+            "within_1_25x": ratio[str(experts[-1])] <= 1.25,
+            "torch_threads": torch.get_num_threads()}

@@ -1,0 +1,163 @@
+"""EWC: elastic weight consolidation with a diagonal empirical Fisher per task.
+
+Loss while training task t (Kirkpatrick et al., 2017; online accumulation as
+Schwarz et al., 2018):
+    L = L_t + (λ/2) · Σ_j F_j (θ_j − θ*_j)²
+θ* = the weights at the end of task t−1, F the accumulated Fisher:
+    F ← γ·F + F_new after each task,   F_new,j = (1/B) Σ_b (∂ℓ_b/∂θ_j)²
+over B Fisher batches of `fisher_batch_size` training examples of the task
+just trained (per-example when 1, the empirical Fisher), ℓ_b = the batch's
+answer-token negative log-likelihood as trained (`lm_loss`: mean over answer
+tokens + EOS). That per-token mean keeps F on the scale of the training loss;
+the sequence-level log-likelihood would multiply an example's F by its answer
+length squared. λ absorbs either scale. Task 0 has no penalty. F and θ* are
+fp32, on the model's device, and saved for resume; F is not computed after
+the last stage (no later task to protect).
+
+The penalty's gradient λ·F_j(θ_j − θ*_j) is added to the gradients once per
+step in `before_step` (before clipping, like any loss term), not through
+autograd: exact, and it spares an autograd graph over two model-sized tensors
+per micro-batch. `loss` adds the penalty's value (detached) so the logged loss
+is the whole objective; parts "lm" and "ewc" (the weighted penalty).
+
+Differences from TRACE's EWC.py (reference/baselines.md, "EWC"), on purpose:
+- TRACE adds g²/N_batches of every training step's mini-batch gradient to F
+  through all epochs and tasks, including the task being trained; here F_new
+  comes after the task, from per-example gradients of its data.
+- TRACE keeps F in the parameters' dtype (bf16) and θ* on the CPU; here both
+  are fp32 on the model's device.
+- TRACE's λ = 400 matches its differently scaled F. The default 1e3 here is a
+  placeholder: the cpu-profile sweep over {1e2, 1e3, 1e4} fixes it, and every
+  run records the value it used.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+from cl_bench.data import Encoder, collate
+from cl_bench.errors import UserError
+from cl_bench.method import Method, MethodArgs, Stage, lm_loss
+from cl_bench.registry import register_method
+
+
+@dataclass
+class EWCArgs(MethodArgs):
+    lambda_ewc: float = 1e3  # placeholder until the cpu-profile sweep over {1e2, 1e3, 1e4}
+    gamma: float = 1.0  # F <- gamma·F + F_new; 1 = sum over tasks
+    fisher_examples: int = 32  # training examples of each task for F_new (all if fewer)
+    fisher_batch_size: int = 1  # examples per squared gradient; 1 = per-example Fisher
+
+    def __post_init__(self) -> None:
+        if self.lambda_ewc < 0:
+            raise UserError(f"method_args.lambda_ewc={self.lambda_ewc} must be >= 0")
+        if self.gamma < 0:
+            raise UserError(f"method_args.gamma={self.gamma} must be >= 0")
+        for name in ("fisher_examples", "fisher_batch_size"):
+            if getattr(self, name) < 1:
+                raise UserError(f"method_args.{name}={getattr(self, name)} must be at least 1")
+
+
+@register_method("ewc")
+class EWC(Method):
+    description = "EWC: diagonal empirical Fisher after each task, accumulated; pulls weights to the last task's"
+    Args = EWCArgs
+
+    def __init__(self, args: EWCArgs, context):
+        super().__init__(args, context)
+        self.fisher: dict[str, torch.Tensor] = {}  # parameter name -> F, fp32
+        self.anchor: dict[str, torch.Tensor] = {}  # parameter name -> θ*, fp32
+        self._penalty_value: torch.Tensor | None = None  # this step's penalty, detached
+
+    # ---- the penalty -------------------------------------------------------
+    def penalty(self) -> torch.Tensor:
+        """(λ/2) Σ_j F_j (θ_j − θ*_j)² in fp32, differentiable (0 before any anchor)."""
+        total = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        for name, p in self.model.named_parameters():
+            if name in self.fisher:
+                total = total + (self.fisher[name] * (p.float() - self.anchor[name]).square()).sum()
+        return 0.5 * self.args.lambda_ewc * total
+
+    def loss(self, batch, step):
+        lm = lm_loss(self.model, batch)
+        if not self.fisher:
+            return lm, {"lm": lm.item(), "ewc": 0.0}
+        if self._penalty_value is None:  # the weights stay put across a step's micro-batches
+            with torch.no_grad():
+                self._penalty_value = self.penalty()
+        # The value only: its gradient is added in before_step.
+        return lm + self._penalty_value, {"lm": lm.item(), "ewc": self._penalty_value.item()}
+
+    def before_step(self, step: int) -> None:
+        """grad += ∂/∂θ (λ/2) Σ F (θ − θ*)² = λ F (θ − θ*), once per step."""
+        if not self.fisher:
+            return
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if name not in self.fisher or not p.requires_grad:
+                    continue
+                g = (self.fisher[name] * (p.float() - self.anchor[name])).mul_(self.args.lambda_ewc)
+                if p.grad is None:
+                    p.grad = g.to(p.dtype)
+                else:
+                    p.grad.add_(g.to(p.grad.dtype))
+
+    def after_step(self, step: int) -> None:
+        self._penalty_value = None
+
+    # ---- Fisher and anchor after each task -----------------------------------
+    def after_task(self, stage: Stage) -> None:
+        if stage.index == len(self.plan(self.ctx.all_tasks)) - 1:
+            return  # no later task to protect
+        fresh = self.fisher_of(stage)
+        for name, f in fresh.items():
+            self.fisher[name] = self.args.gamma * self.fisher[name] + f if name in self.fisher else f
+        self.anchor = {name: p.detach().to(torch.float32, copy=True)
+                       for name, p in self.model.named_parameters() if name in self.fisher}
+
+    def fisher_of(self, stage: Stage) -> dict[str, torch.Tensor]:
+        """F_new: the mean over Fisher batches of the squared gradient of the batch's
+        answer-token loss, for every trainable parameter, fp32."""
+        a, cfg = self.args, self.ctx.config
+        examples = [e for task in stage.tasks for e in task.train]
+        order = list(range(len(examples)))
+        # Which examples does not depend on the run's RNG state, only on seed and stage.
+        random.Random(f"{cfg.seed}/ewc-fisher/{stage.label}").shuffle(order)
+        chosen = [examples[i] for i in order[:a.fisher_examples]]
+        encoder = Encoder.from_config(self.ctx.tokenizer, cfg.train)
+        rows = [encoder.train_example(e.prompt, e.answer) for e in chosen]
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        sums = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in named}
+        was_training = self.model.training
+        self.model.eval()  # no dropout: F of the deterministic model
+        try:
+            for start in range(0, len(rows), a.fisher_batch_size):
+                batch = collate(rows[start:start + a.fisher_batch_size], self.ctx.tokenizer.pad_token_id)
+                batch = {k: v.to(self.ctx.device) for k, v in batch.items()}
+                grads = torch.autograd.grad(lm_loss(self.model, batch), [p for _, p in named],
+                                            allow_unused=True)
+                for (n, _), g in zip(named, grads):
+                    if g is not None:
+                        sums[n].add_(g.float().square())
+        finally:
+            self.model.train(was_training)
+        n_batches = max(math.ceil(len(rows) / a.fisher_batch_size), 1)
+        return {n: s.div_(n_batches) for n, s in sums.items()}
+
+    # ---- resume and accounting ---------------------------------------------
+    def state_dict(self) -> dict:
+        return {"fisher": self.fisher, "anchor": self.anchor}
+
+    def load_state_dict(self, state: dict) -> None:
+        params = dict(self.model.named_parameters())
+        self.fisher = {n: t.to(params[n].device, torch.float32) for n, t in state["fisher"].items()}
+        self.anchor = {n: t.to(params[n].device, torch.float32) for n, t in state["anchor"].items()}
+
+    def param_report(self) -> dict:
+        report = super().param_report()
+        # F and θ* are held beside the model (deployment needs neither).
+        report["total"] += sum(t.numel() for t in (*self.fisher.values(), *self.anchor.values()))
+        return report

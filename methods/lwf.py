@@ -1,0 +1,101 @@
+"""LwF: learning without forgetting, distilling the previous model on new data.
+
+Loss while training task t ≥ 1 (Li & Hoiem, 2017; the LLM form of TRACE's
+baseline, done as reference/baselines.md "LwF" recommends):
+    L = CE + λ · T² · KL(p_old^T ‖ p_new^T)
+p^T = softmax(logits / T) over the vocabulary; "old" is a frozen copy of the
+model at the end of task t−1, run online on the same batch (no grad, eval
+mode). The KL is summed over the vocabulary and averaged over the answer
+positions only: logits at position i predict token i+1, so position i counts
+when label i+1 is not -100 (the tokens CE covers). T² keeps the gradient's
+scale independent of T (Hinton et al., 2015). Task 0 has no KL. Parts: "lm"
+(CE) and "kl" (T²·KL, before λ).
+
+The teacher is not saved: it is built in `before_task` from the model's
+current weights, which on resume are the restored weights of the end of the
+previous stage.
+
+Differences from TRACE's LwF.py, on purpose:
+- TRACE computes kl_div(log_softmax(old/T), softmax(new/T)), i.e. KL(new‖old)
+  with the gradient flowing through the target; here KL(old‖new), gradient
+  through the student only.
+- TRACE has no T² factor, sums over all positions (prompt and padding included)
+  and divides by the batch size; here answer positions, token mean.
+- TRACE precomputes the teacher's logits for the whole next task (terabytes at
+  full scale) and matches them to batches by step index while the sampler
+  reshuffles, so teacher and student see different examples; here the teacher
+  runs on the same batch.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cl_bench.data import IGNORE
+from cl_bench.errors import UserError
+from cl_bench.method import Method, MethodArgs, Stage
+from cl_bench.registry import register_method
+
+
+@dataclass
+class LwFArgs(MethodArgs):
+    lambda_kl: float = 1.0  # weight of the T²·KL term (TRACE: 1)
+    temperature: float = 2.0  # T (TRACE: 2)
+
+    def __post_init__(self) -> None:
+        if self.lambda_kl < 0:
+            raise UserError(f"method_args.lambda_kl={self.lambda_kl} must be >= 0")
+        if self.temperature <= 0:
+            raise UserError(f"method_args.temperature={self.temperature} must be > 0")
+
+
+def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                    labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    """T² · KL(softmax(teacher/T) ‖ softmax(student/T)), summed over the vocabulary
+    and averaged over answer positions, in fp32.
+
+    student_logits, teacher_logits: (B, L, V); labels: (B, L), IGNORE off the answer.
+    """
+    answer = labels[:, 1:] != IGNORE  # (B, L-1): position i predicts token i+1
+    new = student_logits[:, :-1][answer].float() / temperature  # (N, V)
+    old = teacher_logits[:, :-1][answer].float() / temperature  # (N, V)
+    # kl_div(input, target) = Σ target·(log target − input) = KL(target ‖ input)
+    kl = F.kl_div(F.log_softmax(new, dim=-1), F.log_softmax(old, dim=-1), log_target=True,
+                  reduction="sum")
+    return temperature ** 2 * kl / max(int(answer.sum()), 1)
+
+
+@register_method("lwf")
+class LwF(Method):
+    description = "LwF: CE + λT²·KL(previous model ‖ model) on answer tokens, online frozen teacher"
+    Args = LwFArgs
+
+    def __init__(self, args: LwFArgs, context):
+        super().__init__(args, context)
+        self.teacher: torch.nn.Module | None = None
+
+    def before_task(self, stage: Stage) -> None:
+        if stage.index == 0:
+            return
+        self.teacher = None  # free the old copy before making the new one
+        self.teacher = copy.deepcopy(self.model).eval().requires_grad_(False)
+
+    def loss(self, batch, step):
+        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         labels=batch["labels"], use_cache=False)
+        if self.teacher is None:
+            return out.loss, {"lm": out.loss.item(), "kl": 0.0}
+        with torch.no_grad():
+            old = self.teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                               use_cache=False).logits
+        kl = distillation_kl(out.logits, old, batch["labels"], self.args.temperature)
+        return out.loss + self.args.lambda_kl * kl, {"lm": out.loss.item(), "kl": kl.item()}
+
+    def param_report(self) -> dict:
+        report = super().param_report()
+        if self.teacher is not None:  # the frozen teacher is held beside the model
+            report["total"] += sum(p.numel() for p in self.teacher.parameters())
+        return report

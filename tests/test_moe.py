@@ -1,0 +1,273 @@
+"""The upcycled MoE layer on the tiny Llama (width 64, FFN 128: K = 8 slices of h = 16),
+and end-to-end runs of upcycle and drop-upcycle."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cl_bench import results
+from cl_bench.backends.torch_backend import TorchBackend
+from cl_bench.models import moe
+from cl_bench.models.loading import tiny_llama
+from conftest import run_cli, smoke_args
+
+D, H, K, h = 64, 128, 8, 16
+
+
+@pytest.fixture
+def dense():
+    model, _, _ = tiny_llama(0)
+    return model.model.layers[0].mlp  # LlamaMLP: gate/up (128, 64), down (64, 128)
+
+
+def tokens(n=24, seed=0) -> torch.Tensor:
+    return torch.randn(n, D, generator=torch.Generator().manual_seed(seed))  # (N, d)
+
+
+def random_experts(seed):
+    """A distinct random group, so experts of different groups compute different things."""
+    def init(dense_mlp, n_per_group):
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randn(K, h, D, generator=g) * 0.1, torch.randn(K, h, D, generator=g) * 0.1,
+                torch.randn(K, D, h, generator=g) * 0.1)
+    return init
+
+
+def swiglu(x, gate, up, down):
+    return (torch.nn.functional.silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
+def test_a_group_of_slices_with_weight_one_is_the_dense_mlp(dense):
+    layer = moe.UpcycledMoE(copy.deepcopy(dense), k=K)
+    layer.add_group()
+    x1 = tokens().requires_grad_()
+    x2 = x1.detach().clone().requires_grad_()
+    everyone = torch.arange(K).expand(len(x1), K)  # every token to all 8 slices, weight 1
+    out = layer.experts_forward(x1, torch.ones(len(x1), K), everyone)
+    ref = dense(x2)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+    grad = torch.randn_like(ref)
+    dense.requires_grad_(True)
+    out.backward(grad)
+    ref.backward(grad)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-6)
+    g = layer.groups[0]
+    torch.testing.assert_close(g.gate.grad, dense.gate_proj.weight.grad.reshape(K, h, D), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g.up.grad, dense.up_proj.weight.grad.reshape(K, h, D), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g.down.grad, dense.down_proj.weight.grad.reshape(D, K, h).permute(1, 0, 2),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_dispatch_matches_running_every_expert_on_every_token(dense):
+    layer = moe.UpcycledMoE(dense, k=2)
+    for seed in range(3):  # 24 experts in 3 distinct groups
+        layer.add_group(random_experts(seed))
+    x1 = tokens(40).requires_grad_()
+    x2 = x1.detach().clone().requires_grad_()
+    _, weights, indices = layer.route(x1.detach())
+    weights = weights.detach().requires_grad_()  # (N, k): a leaf, so its gradient is compared too
+    out = layer.experts_forward(x1, weights, indices)
+
+    # naive reference: each expert on all tokens, masked by its routing weight
+    ref = torch.zeros_like(x2)
+    for e, (gate, up, down) in enumerate(layer.experts()):
+        w = (weights * (indices == e)).sum(dim=1, keepdim=True)  # (N, 1), 0 unless routed to e
+        ref = ref + w * swiglu(x2, gate, up, down)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+    grad = torch.randn_like(out)
+    params = [p for g in layer.groups for p in (g.gate, g.up, g.down)]
+    got = torch.autograd.grad(out, [x1, weights, *params], grad)
+    want = torch.autograd.grad(ref, [x2, weights, *params], grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_topk_weights_are_renormalised(dense):
+    layer = moe.UpcycledMoE(dense, k=2)
+    layer.add_group()
+    layer.add_group()
+    probs, weights, indices = layer.route(tokens())
+    assert probs.dtype == torch.float32 and probs.shape == (24, 16)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(24))
+    torch.testing.assert_close(weights.sum(-1), torch.ones(24))
+    top = probs.gather(1, indices)
+    torch.testing.assert_close(weights, top / top.sum(-1, keepdim=True))
+    assert (weights[:, 0] >= weights[:, 1]).all()
+
+
+def test_load_balancing_loss_on_a_fixed_routing(dense):
+    layer = moe.UpcycledMoE(dense, k=2, lb_coef=0.01)
+    layer.add_group(router_std=0.0)  # zero rows: the biases alone route
+    layer.groups[0].router_bias.data = torch.tensor([0.4, 0.3] + [0.05] * 6).log()
+    layer.train()
+    layer(tokens().unsqueeze(0))
+    # every token: P = (0.4, 0.3, 0.05, ...), top-2 = experts 0 and 1, so f = (0.5, 0.5, 0, ...)
+    # loss = 0.01 * 8 * (0.5 * 0.4 + 0.5 * 0.3) = 0.028
+    torch.testing.assert_close(layer.aux_loss, torch.tensor(0.028))
+
+    layer.groups[0].router_bias.data = torch.zeros(8)  # uniform P = 1/8, f sums to 1: loss = coef
+    layer(tokens().unsqueeze(0))
+    torch.testing.assert_close(layer.aux_loss, torch.tensor(0.01))
+    model = torch.nn.Sequential(layer)
+    torch.testing.assert_close(moe.load_balancing_loss(model), torch.tensor(0.01))
+    assert layer.aux_loss is None  # read once, then cleared
+    layer.eval()
+    layer(tokens().unsqueeze(0))
+    assert layer.aux_loss is None  # only training forwards set it
+    off = moe.UpcycledMoE(dense, lb_coef=0.0)
+    off.add_group()
+    off.train()
+    off(tokens().unsqueeze(0))
+    assert off.aux_loss is None
+
+
+def test_router_row_i_scores_expert_i_after_adding_groups(dense):
+    layer = moe.UpcycledMoE(dense, k=2)
+    for seed in range(3):
+        layer.add_group(random_experts(seed))
+    experts = layer.experts()
+    assert len(experts) == 24
+    torch.testing.assert_close(layer.router_weight()[8:16], layer.groups[1].router_weight)
+    x = tokens(6)
+    for e in range(24):
+        for g in layer.groups:
+            g.router_weight.data.zero_()
+            g.router_bias.data.zero_()
+        g, i = layer.groups[e // K], e % K
+        g.router_bias.data[i] = 30.0  # row e dominates: p_e ~ 1
+        _, weights, indices = layer.route(x)
+        assert (indices[:, 0] == e).all()
+        out = layer.experts_forward(x, weights, indices)
+        # the expert row e scores is the e-th expert, i.e. slot i of group e // K
+        torch.testing.assert_close(out, swiglu(x, g.gate[i], g.up[i], g.down[i]), rtol=1e-5, atol=1e-6)
+
+
+def test_appended_rows_with_an_expert_inserted_in_the_middle_would_fail(dense):
+    """The paper code's bug: expert list [g0, new, g1] but rows [g0, g1, new]. The
+    row-correspondence check above catches it; show it on such a layout."""
+    layer = moe.UpcycledMoE(dense, k=2)
+    for seed in range(3):
+        layer.add_group(random_experts(seed))
+    g0, g1, new = layer.groups
+    x = tokens(6)
+    new.router_bias.data[0] = 30.0  # the new group's first row: global row 16
+    _, weights, indices = layer.route(x)
+    assert (indices[:, 0] == 16).all()
+    good = layer.experts_forward(x, weights, indices)
+    torch.testing.assert_close(good, swiglu(x, new.gate[0], new.up[0], new.down[0]), rtol=1e-5, atol=1e-6)
+    # misaligned: experts inserted in the middle, rows appended at the end
+    experts = layer.experts()
+    misaligned = experts[:8] + experts[16:] + experts[8:16]
+    bad = swiglu(x, *misaligned[16])
+    assert not torch.allclose(good, bad, atol=1e-3)
+
+
+def test_upcycled_model_starts_as_the_dense_model():
+    dense_model, _, _ = tiny_llama(0)
+    model = copy.deepcopy(dense_model)
+    layers = moe.upcycle_model(model)
+    assert len(layers) == 2 and moe.experts_per_layer(model) == [8, 8]
+    ids = torch.randint(3, 259, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, dense_model(ids).logits)
+        # the paper code's layer (scale 1): dense + routed slices is a different function
+        paper = copy.deepcopy(dense_model)
+        moe.upcycle_model(paper, routed_scale_init=1.0)
+        assert not torch.allclose(paper(ids).logits, dense_model(ids).logits, atol=1e-4)
+
+
+def test_drop_upcycle_reinitialises_half_of_each_expert_with_one_index_set(dense):
+    torch.manual_seed(0)
+    gate, up, down = moe.drop_upcycle_experts(dense, K, ratio=0.5)
+    gate0, up0, down0 = moe.slice_experts(dense, K)
+    for i in range(K):
+        rows_g = (gate[i] != gate0[i]).any(dim=1)  # (h,) neurons whose gate row changed
+        rows_u = (up[i] != up0[i]).any(dim=1)
+        cols_d = (down[i] != down0[i]).any(dim=0)
+        assert int(rows_g.sum()) == h // 2 == 8
+        assert torch.equal(rows_g, rows_u) and torch.equal(rows_g, cols_d)
+        assert (gate[i][rows_g] != gate0[i][rows_g]).all()  # the whole row is redrawn
+        # drawn from N(mean, std) of the entries replaced (512 draws: loose check)
+        old, new = gate0[i][rows_g], gate[i][rows_g]
+        assert abs(float(new.std() / old.std()) - 1) < 0.2
+    masks = [(gate[i] != gate0[i]).any(dim=1) for i in range(K)]
+    assert any(not torch.equal(masks[0], m) for m in masks[1:])  # one index set per expert
+
+
+@pytest.mark.parametrize("layers", [None, [1]])
+def test_varying_experts_per_layer_round_trip(tmp_path, layers):
+    model, _, _ = tiny_llama(0)
+    moe.upcycle_model(model, layers=layers)
+    last = moe.moe_layers(model)[-1]
+    last.add_group(random_experts(1))
+    last.add_group(random_experts(2))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))  # trained-looking weights, scale != 0
+    expected = [8, 24] if layers is None else [0, 24]
+    assert moe.experts_per_layer(model) == expected
+    ids = torch.randint(3, 259, (2, 10), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    want = model(ids).logits
+
+    fresh, _, _ = tiny_llama(5)  # other weights: all must come from the state_dict
+    moe.rebuild(fresh, expected)
+    fresh.load_state_dict(model.state_dict())  # strict
+    assert torch.equal(fresh.eval()(ids).logits, want)
+
+    moe.save_upcycled(model, tmp_path / "m.pt")
+    again = moe.load_upcycled(tiny_llama(6)[0], tmp_path / "m.pt")
+    assert moe.group_sizes(again) == moe.group_sizes(model)
+    assert torch.equal(again.eval()(ids).logits, want)
+
+
+# ---- end to end ---------------------------------------------------------------------
+
+def only_run(out: Path) -> Path:
+    (run_dir,) = [p for p in out.iterdir() if (p / "run.json").exists()]
+    return run_dir
+
+
+@pytest.mark.parametrize("method", ["upcycle", "drop-upcycle"])
+def test_smoke_run_grows_8_experts_per_layer_per_task(trace_dir, tmp_path, method):
+    out = tmp_path / "runs"
+    assert run_cli(*smoke_args(trace_dir, out, "--method", method)) == 0
+    record = json.loads((only_run(out) / "run.json").read_text())
+    assert record["status"] == "complete"
+    assert [p["experts_per_layer"] for p in record["params"]] == [[8, 8], [16, 16], [24, 24]]
+    for p in record["params"]:
+        assert p["active_per_token"] < p["total"] and p["trainable"] < p["total"]
+    rows = results.read_jsonl(only_run(out) / "metrics.jsonl")
+    assert {"lm", "lb"} <= set(rows[0])
+
+
+def test_upcycle_resumes_to_the_same_run(trace_dir, tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    assert run_cli(*smoke_args(trace_dir, straight, "--method", "upcycle")) == 0
+    expected = json.loads((only_run(straight) / "run.json").read_text())
+
+    real_train = TorchBackend.train_stage
+
+    def killed_in_stage_3(self, method, optimizer, stage, *args, **kwargs):
+        if stage.index == 2:
+            raise KeyboardInterrupt
+        return real_train(self, method, optimizer, stage, *args, **kwargs)
+
+    broken = tmp_path / "broken"
+    monkeypatch.setattr(TorchBackend, "train_stage", killed_in_stage_3)
+    assert run_cli(*smoke_args(trace_dir, broken, "--method", "upcycle")) == 130
+    run_dir = only_run(broken)
+    monkeypatch.setattr(TorchBackend, "train_stage", real_train)
+    assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
+    resumed = json.loads((run_dir / "run.json").read_text())
+    assert resumed["status"] == "complete"
+    assert resumed["matrix"] == expected["matrix"]
+    assert resumed["params"] == expected["params"]
+    rows = lambda d: [(r["lm"], r["lb"]) for r in results.read_jsonl(d / "metrics.jsonl")]
+    assert rows(run_dir) == rows(only_run(straight))

@@ -1,0 +1,99 @@
+"""Parameter accounting: the paper's 1.236B / 6.07B on the meta device, and the
+trainable set of upcycle on the tiny model."""
+from __future__ import annotations
+
+import pytest
+
+from cl_bench import registry
+from cl_bench.errors import UserError
+from cl_bench.method import Stage
+from cl_bench.models import moe
+from cl_bench.models.loading import meta_model, tiny_llama
+from cl_bench.models.params import count, format_schedule, params_command, schedule_report
+
+L, d, H = 16, 2048, 8192  # Llama-3.2-1B
+PER_EXPERT = 3 * d * (H // 8)  # 6,291,456
+ROUTER_ROW = d + 1  # weight row + bias
+
+
+def test_dense_llama_3_2_1b_is_1_236b():
+    report = count(meta_model("llama-3.2-1b"))
+    assert report["total"] == 1_235_814_400
+    assert report["active_per_token"] == report["deployed"] == report["total"]
+    assert report["experts_per_layer"] is None
+
+
+def test_standard_upcycling_of_llama_3_2_1b_over_6_tasks_is_6_07b():
+    rows = params_command("llama-3.2-1b", "upcycle", 6)
+    assert [r["experts_per_layer"] for r in rows] == [[8 * (t + 1)] * L for t in range(6)]
+    last = rows[-1]
+    assert PER_EXPERT == 6_291_456
+    # 768 experts + 48 router rows per layer + one routed scale per layer
+    assert last["total"] == 1_235_814_400 + 768 * PER_EXPERT + L * (48 * ROUTER_ROW + 1)
+    assert last["total"] == pytest.approx(6.07e9, rel=5e-3)
+    # a token touches the dense model, the whole router and 2 experts per layer: ~1.44B
+    assert last["active_per_token"] == 1_235_814_400 + L * (2 * PER_EXPERT + 48 * ROUTER_ROW + 1)
+    for r in rows:
+        assert r["active_per_token"] < r["total"] == r["deployed"]
+        # trainable at every stage: the newest group, its router rows, the scales
+        assert r["trainable"] == L * (8 * PER_EXPERT + 8 * ROUTER_ROW + 1)
+    assert "6.069B" in format_schedule(rows)
+
+
+def test_dense_methods_report_the_same_every_stage():
+    rows = schedule_report("llama-3.2-1b", "seqft", 3)
+    assert len(rows) == 3 and len({r["total"] for r in rows}) == 1
+    with pytest.raises(UserError, match="known"):
+        schedule_report("no-such-config", "upcycle", 2)
+    with pytest.raises(UserError, match="at least 1"):
+        schedule_report("llama-3.2-1b", "upcycle", 0)
+
+
+def test_upcycle_stage_t_trains_the_new_group_and_its_router_rows_only():
+    cls = registry.get("upcycle")
+    method = cls(cls.parse_args({}), context=None)
+    model, _, _ = tiny_llama(0)
+    method.setup(model)
+    for t in range(3):
+        method.before_task(Stage(t, [], f"task {t}"))
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        want = {f"model.layers.{i}.mlp.{name}" for i in range(2) for name in
+                [f"groups.{t}.{p}" for p in ("gate", "up", "down", "router_weight", "router_bias")]
+                + ["routed_scale"]}
+        assert trainable == want
+        report = method.param_report()
+        group = 8 * 3 * 16 * 64 + 8 * 65  # 8 experts (3 * h * d) + 8 router rows (d + 1)
+        assert report["trainable"] == 2 * (group + 1)
+        assert report["experts_per_layer"] == [8 * (t + 1)] * 2
+
+
+def test_train_shared_also_trains_attention_but_never_the_dense_mlp():
+    cls = registry.get("upcycle")
+    method = cls(cls.parse_args({"train_shared": "true"}), context=None)
+    model, _, _ = tiny_llama(0)
+    method.setup(model)
+    method.before_task(Stage(1, [], "task 1"))
+    grad = {n: p.requires_grad for n, p in model.named_parameters()}
+    assert grad["model.layers.0.self_attn.q_proj.weight"] and grad["model.embed_tokens.weight"]
+    assert not grad["model.layers.0.mlp.dense.gate_proj.weight"]
+    assert not grad["model.layers.0.mlp.groups.0.gate"] and grad["model.layers.0.mlp.groups.1.gate"]
+
+
+def test_bad_upcycle_arguments_are_named():
+    cls = registry.get("upcycle")
+    with pytest.raises(UserError, match="top_k"):
+        cls.parse_args({"top_k": "9"})
+    with pytest.raises(UserError, match="drop_ratio"):
+        registry.get("drop-upcycle").parse_args({"drop_ratio": "1.5"})
+
+
+def test_active_params_count_top_k_experts_of_each_moe_layer():
+    model, _, _ = tiny_llama(0)
+    dense_total = count(model)["total"]
+    moe.upcycle_model(model, layers=[1])
+    moe.moe_layers(model)[0].add_group()
+    report = count(model)
+    expert = 3 * 16 * 64
+    assert report["experts_per_layer"] == [0, 16]
+    assert report["total"] == dense_total + 16 * expert + 16 * 65 + 1
+    assert report["active_per_token"] == report["total"] - 14 * expert
