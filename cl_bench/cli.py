@@ -1,4 +1,4 @@
-"""`cl-bench`: run | list | leaderboard | score | params | perf.
+"""`cl-bench`: run | show | list | leaderboard | score | params | perf.
 
 Bad input raises UserError anywhere below; here it becomes one line on stderr
 and exit code 2 (a traceback only with --debug).
@@ -30,7 +30,7 @@ def _add_run(sub) -> None:
                                    "after each stage, and write <output-dir>/<run-id>/run.json.")
     p.add_argument("--method", help="method name (see `cl-bench list`); default seqft")
     p.add_argument("--model", help="smollm2-135m | tiny-llama | a local HF directory | a hub id")
-    p.add_argument("--profile", default="cpu", help="smoke | cpu | paper (default cpu)")
+    p.add_argument("--profile", help="smoke | cpu | paper (default: the config file's, else cpu)")
     p.add_argument("--config", type=Path, help="YAML file of config fields (profile <- file <- flags)")
     p.add_argument("--seed", type=int)
     p.add_argument("--data-dir", help="TRACE data root (default: $CL_BENCH_DATA, then conventional places)")
@@ -55,14 +55,11 @@ def _overrides(args) -> dict:
     from cl_bench.config import set_dotted
 
     raw: dict = {}
-    for key in ("method", "model", "seed", "output_dir", "run_id"):
+    for key in ("method", "model", "profile", "seed", "output_dir", "run_id"):
         if getattr(args, key) is not None:
             raw[key] = getattr(args, key)
-    if args.profile:
-        raw["profile"] = args.profile
-    data = {k: getattr(args, a) for k, a in (("data_dir", "data_dir"), ("order", "order"),
-                                              ("n_train", "n_train"), ("n_test", "n_test"))
-            if getattr(args, a) is not None}
+    data = {key: getattr(args, key) for key in ("data_dir", "order", "n_train", "n_test")
+            if getattr(args, key) is not None}
     if data:
         raw["data"] = data
     if args.eval_all:
@@ -92,6 +89,14 @@ def cmd_run(args) -> int:
         return EXIT_INTERRUPTED
     print(format_matrix(record))
     print(f"\nrun record: {run.run_dir / 'run.json'}")
+    return 0
+
+
+def cmd_show(args) -> int:
+    from cl_bench.report import format_matrix
+    from cl_bench.results import read_record
+
+    print(format_matrix(read_record(args.run_dir)))
     return 0
 
 
@@ -202,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
+    p = sub.add_parser("show", help="print a run's matrix and summary from its record")
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     p = sub.add_parser("list", help="list methods with one-line descriptions")
     p.add_argument("--verbose", "-v", action="store_true", help="also show each method's arguments")
     p = sub.add_parser("leaderboard", help="tables from run records")
@@ -233,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = {"run": cmd_run, "list": cmd_list, "leaderboard": cmd_leaderboard, "score": cmd_score,
+COMMANDS = {"run": cmd_run, "show": cmd_show, "list": cmd_list, "leaderboard": cmd_leaderboard, "score": cmd_score,
             "params": cmd_params, "perf": cmd_perf}
 
 

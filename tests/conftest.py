@@ -52,6 +52,33 @@ def run_cli(*argv: str) -> int:
     return main([str(a) for a in argv])
 
 
+def only_run(out: Path) -> Path:
+    """The one run folder under `out` (which also holds the tokenisation cache)."""
+    (run_dir,) = [p.parent for p in Path(out).glob("*/run.json")]
+    return run_dir
+
+
+def interrupted_run(monkeypatch, *argv, at_stage: int) -> Path:
+    """Run the CLI, raising KeyboardInterrupt (Ctrl-C) while stage `at_stage`
+    (0-based) trains; returns the run folder, whose finished stages are saved."""
+    from cl_bench.backends.torch_backend import TorchBackend
+
+    real = TorchBackend.train_stage
+
+    def interrupt(self, method, optimizer, stage, *args, **kwargs):
+        if stage.index == at_stage:
+            raise KeyboardInterrupt
+        return real(self, method, optimizer, stage, *args, **kwargs)
+
+    monkeypatch.setattr(TorchBackend, "train_stage", interrupt)
+    try:
+        assert run_cli(*argv) == 130
+    finally:
+        monkeypatch.setattr(TorchBackend, "train_stage", real)
+    argv = [str(a) for a in argv]
+    return only_run(Path(argv[argv.index("--output-dir") + 1]))
+
+
 def smoke_args(trace_dir: Path, out: Path, *extra: str) -> list[str]:
     """A smoke run on the synthetic data; lr 1e-3 so the tiny model visibly learns."""
     return ["run", "--profile", "smoke", "--data-dir", str(trace_dir), "--output-dir", str(out),

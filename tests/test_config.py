@@ -52,3 +52,17 @@ def test_method_args_are_typed_by_the_method():
     assert args.lr == 3e-4 and isinstance(args.lr, float) and args.beta2 == 0.99
     with pytest.raises(UserError, match="its arguments: lr"):
         seqft.parse_args({"alpha": 1})
+
+
+def test_cli_profile_flag_beats_the_file_and_the_file_beats_the_default(trace_dir, tmp_path):
+    import json
+
+    from conftest import only_run, run_cli
+
+    f = tmp_path / "c.yaml"
+    f.write_text(f"profile: smoke\ndata:\n  data_dir: {trace_dir}\n  order: [Py150]\n")
+    out = tmp_path / "runs"
+    assert run_cli("run", "--config", f, "--output-dir", out, "--no-progress") == 0
+    record = json.loads((only_run(out) / "run.json").read_text())
+    assert record["profile"] == "smoke" and record["tasks"] == ["Py150"]
+    assert record["config"]["data"]["data_dir"] == str(trace_dir)

@@ -16,14 +16,13 @@ import pytest
 import torch
 
 from cl_bench import registry, results
-from cl_bench.backends.torch_backend import TorchBackend
 from cl_bench.benchmarks.trace.loader import Example
 from cl_bench.config import RunConfig, TrainConfig
 from cl_bench.data import Encoder, collate
 from cl_bench.errors import UserError
 from cl_bench.method import MethodContext, Stage
 from cl_bench.models.loading import tiny_llama
-from conftest import run_cli, smoke_args
+from conftest import interrupted_run, only_run, run_cli, smoke_args
 
 LORA_SIZE = 2 * (8 * (64 + 64) + 8 * (64 + 32))  # 3584
 
@@ -70,9 +69,6 @@ def stages(n: int) -> list[Stage]:
     return [Stage(i, [make_task(f"task{i}")], f"task{i}") for i in range(n)]
 
 
-def only_run(out: Path) -> Path:
-    (run_dir,) = [p for p in out.iterdir() if (p / "run.json").exists()]
-    return run_dir
 
 
 def complete_record(run_dir: Path) -> dict:
@@ -219,19 +215,9 @@ def test_olora_smoke_run_and_resume(trace_dir, tmp_path, monkeypatch):
     assert all(r["orth"] == 0 for r in logged if r["stage"] == 0)
     assert all(r["orth"] > 0 for r in logged if r["stage"] > 0)
 
-    real_train = TorchBackend.train_stage
-
-    def killed_in_stage_3(self, method, optimizer, stage, *args, **kwargs):
-        if stage.index == 2:
-            raise KeyboardInterrupt
-        return real_train(self, method, optimizer, stage, *args, **kwargs)
-
     broken = tmp_path / "broken"
-    monkeypatch.setattr(TorchBackend, "train_stage", killed_in_stage_3)
-    assert run_cli(*smoke_args(trace_dir, broken, "--method", "olora")) == 130
-    run_dir = only_run(broken)
+    run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, broken, "--method", "olora"), at_stage=2)
     assert results.load_checkpoint(run_dir)["method"] == {"n_pairs": 2}
-    monkeypatch.setattr(TorchBackend, "train_stage", real_train)
     assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
     resumed = complete_record(run_dir)
     assert resumed["matrix"] == expected["matrix"]

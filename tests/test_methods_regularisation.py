@@ -10,20 +10,16 @@ import pytest
 import torch
 
 from cl_bench import registry, results
-from cl_bench.backends.torch_backend import TorchBackend
 from cl_bench.config import resolve
 from cl_bench.data import IGNORE, Encoder, collate
 from cl_bench.method import MethodContext, Stage, lm_loss
 from cl_bench.models.loading import tiny_llama
-from conftest import make_trace, run_cli, smoke_args
+from conftest import interrupted_run, make_trace, only_run, run_cli, smoke_args
 
 TWO_TASKS = ("--order", "NumGLUE-cm,Py150")
 
 
 # ---- helpers ------------------------------------------------------------------
-def only_run(out: Path) -> Path:
-    (run_dir,) = [p for p in out.iterdir() if (p / "run.json").exists()]
-    return run_dir
 
 
 def record(run_dir: Path) -> dict:
@@ -175,19 +171,9 @@ def test_ewc_runs_and_resumes_to_the_same_matrix(trace_dir, tmp_path, monkeypatc
     for stage in (1, 2):  # each stage starts at its anchor, then moves away from it
         assert [v > 0 for v in metric(expected_dir, "ewc", stage)] == [False, True]
 
-    real_train = TorchBackend.train_stage
-
-    def killed_in_stage_3(self, method, optimizer, stage, *args, **kwargs):
-        if stage.index == 2:
-            raise KeyboardInterrupt
-        return real_train(self, method, optimizer, stage, *args, **kwargs)
-
     broken = tmp_path / "broken"
-    monkeypatch.setattr(TorchBackend, "train_stage", killed_in_stage_3)
-    assert run_cli(*smoke_args(trace_dir, broken, "--method", "ewc")) == 130
-    run_dir = only_run(broken)
+    run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, broken, "--method", "ewc"), at_stage=2)
     assert record(run_dir)["stages_done"] == 2
-    monkeypatch.setattr(TorchBackend, "train_stage", real_train)
     assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
     resumed = record(run_dir)
     assert resumed["status"] == "complete"

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from cl_bench import results
-from cl_bench.backends.torch_backend import TorchBackend
 from cl_bench.models import moe
 from cl_bench.models.loading import tiny_llama
-from conftest import run_cli, smoke_args
+from conftest import interrupted_run, only_run, run_cli, smoke_args
 
 D, H, K, h = 64, 128, 8, 16
 
@@ -229,9 +227,6 @@ def test_varying_experts_per_layer_round_trip(tmp_path, layers):
 
 # ---- end to end ---------------------------------------------------------------------
 
-def only_run(out: Path) -> Path:
-    (run_dir,) = [p for p in out.iterdir() if (p / "run.json").exists()]
-    return run_dir
 
 
 @pytest.mark.parametrize("method", ["upcycle", "drop-upcycle"])
@@ -252,18 +247,8 @@ def test_upcycle_resumes_to_the_same_run(trace_dir, tmp_path, monkeypatch):
     assert run_cli(*smoke_args(trace_dir, straight, "--method", "upcycle")) == 0
     expected = json.loads((only_run(straight) / "run.json").read_text())
 
-    real_train = TorchBackend.train_stage
-
-    def killed_in_stage_3(self, method, optimizer, stage, *args, **kwargs):
-        if stage.index == 2:
-            raise KeyboardInterrupt
-        return real_train(self, method, optimizer, stage, *args, **kwargs)
-
     broken = tmp_path / "broken"
-    monkeypatch.setattr(TorchBackend, "train_stage", killed_in_stage_3)
-    assert run_cli(*smoke_args(trace_dir, broken, "--method", "upcycle")) == 130
-    run_dir = only_run(broken)
-    monkeypatch.setattr(TorchBackend, "train_stage", real_train)
+    run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, broken, "--method", "upcycle"), at_stage=2)
     assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
     resumed = json.loads((run_dir / "run.json").read_text())
     assert resumed["status"] == "complete"

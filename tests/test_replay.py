@@ -3,14 +3,12 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 from cl_bench import results
-from cl_bench.backends.torch_backend import TorchBackend
 from cl_bench.benchmarks.trace import load_task
 from cl_bench.config import ReplayConfig
 from cl_bench.replay import ReplayBuffer
-from conftest import make_trace, run_cli, smoke_args
+from conftest import interrupted_run, make_trace, run_cli, smoke_args
 
 
 def record_of(out):
@@ -93,18 +91,9 @@ def test_buffer_survives_resume(trace_dir, tmp_path, monkeypatch):
     assert run_cli(*smoke_args(trace_dir, straight, "--method", "replay")) == 0
     expected, straight_dir = record_of(straight)
 
-    real = TorchBackend.train_stage
-
-    def interrupt(self, method, optimizer, stage, *a, **k):
-        if stage.index == 2:
-            raise KeyboardInterrupt
-        return real(self, method, optimizer, stage, *a, **k)
-
-    monkeypatch.setattr(TorchBackend, "train_stage", interrupt)
     broken = tmp_path / "broken"
-    assert run_cli(*smoke_args(trace_dir, broken, "--method", "replay")) == 130
-    _, run_dir = record_of(broken)
-    monkeypatch.setattr(TorchBackend, "train_stage", real)
+    run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, broken, "--method", "replay"),
+                              at_stage=2)
     assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
     resumed, _ = record_of(broken)
     assert resumed["replay"] == expected["replay"]

@@ -2,21 +2,16 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from cl_bench import results
-from cl_bench.backends.torch_backend import TorchBackend
-from conftest import SMOKE_TASKS, run_cli, smoke_args
+from conftest import SMOKE_TASKS, interrupted_run, only_run, run_cli, smoke_args
 
 REQUIRED = ["schema_version", "method", "method_args", "model", "tasks", "matrix", "summary",
             "params", "config", "seed", "timing", "versions", "git_commit"]
 
 
-def only_run(out: Path) -> Path:
-    (run_dir,) = [p for p in out.iterdir() if (p / "run.json").exists()]
-    return run_dir
 
 
 def test_smoke_run_writes_a_complete_record(trace_dir, tmp_path, capsys):
@@ -40,6 +35,8 @@ def test_smoke_run_writes_a_complete_record(trace_dir, tmp_path, capsys):
     assert not (run_dir / "checkpoint").exists()  # removed once complete
     shown = capsys.readouterr().out
     assert str(run_dir / "run.json") in shown and "Last Acc" in shown
+    assert run_cli("show", run_dir) == 0
+    assert capsys.readouterr().out.strip() in shown  # the same screen, from the record
 
 
 def test_training_lowers_the_loss(trace_dir, tmp_path):
@@ -55,23 +52,14 @@ def test_interrupted_run_resumes_to_the_same_matrix(trace_dir, tmp_path, monkeyp
     assert run_cli(*smoke_args(trace_dir, straight)) == 0
     expected = json.loads((only_run(straight) / "run.json").read_text())
 
-    real_train = TorchBackend.train_stage
-
-    def killed_in_stage_3(self, method, optimizer, stage, *args, **kwargs):
-        if stage.index == 2:
-            raise KeyboardInterrupt  # as if Ctrl-C hit in the middle of the last stage
-        return real_train(self, method, optimizer, stage, *args, **kwargs)
-
-    broken = tmp_path / "broken"
-    monkeypatch.setattr(TorchBackend, "train_stage", killed_in_stage_3)
-    assert run_cli(*smoke_args(trace_dir, broken)) == 130
-    run_dir = only_run(broken)
+    broken = tmp_path / "broken"  # Ctrl-C while stage 2 trains
+    run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, broken), at_stage=1)
     partial = json.loads((run_dir / "run.json").read_text())
-    assert partial["status"] == "interrupted" and partial["stages_done"] == 2
-    assert partial["matrix"][2] == [None, None, None]
+    assert partial["status"] == "interrupted" and partial["stages_done"] == 1
+    assert partial["matrix"][0] == expected["matrix"][0]
+    assert partial["matrix"][1] == partial["matrix"][2] == [None, None, None]
     assert (run_dir / "checkpoint" / "state.pt").exists()
 
-    monkeypatch.setattr(TorchBackend, "train_stage", real_train)
     assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
     resumed = json.loads((run_dir / "run.json").read_text())
     assert resumed["status"] == "complete"
@@ -81,6 +69,38 @@ def test_interrupted_run_resumes_to_the_same_matrix(trace_dir, tmp_path, monkeyp
     assert losses(run_dir) == losses(only_run(straight))
     preds = lambda d: [r["prediction"] for r in results.read_jsonl(d / "predictions.jsonl")]
     assert preds(run_dir) == preds(only_run(straight))
+
+
+def test_killed_process_resumes_to_the_same_matrix(trace_dir, tmp_path):
+    """SIGKILL (no handler runs) once stage 1's checkpoint exists, then --resume."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    slow = ["--set", "train.epochs=60"]  # a few seconds per stage, so the kill lands mid-run
+    cli = [sys.executable, "-m", "cl_bench.cli"]
+    straight = tmp_path / "straight"
+    assert run_cli(*smoke_args(trace_dir, straight, *slow)) == 0
+    expected = json.loads((only_run(straight) / "run.json").read_text())
+
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([*cli, *smoke_args(trace_dir, out, *slow, "--run-id", "k")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoint = out / "k" / "checkpoint" / "state.pt"
+    deadline = time.time() + 120
+    while not checkpoint.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    partial = json.loads((out / "k" / "run.json").read_text())
+    assert partial["status"] == "running" and partial["stages_done"] < 3  # died mid-run
+    assert subprocess.run([*cli, "run", "--resume", out / "k", "--no-progress"],
+                          capture_output=True).returncode == 0
+    resumed = json.loads((out / "k" / "run.json").read_text())
+    assert resumed["status"] == "complete" and resumed["matrix"] == expected["matrix"]
+    assert resumed["resumes"][0]["at_stage"] == partial["stages_done"]
 
 
 def test_resume_of_a_complete_run_is_refused(trace_dir, tmp_path, capsys):
