@@ -16,6 +16,7 @@ import hashlib
 import json
 import random
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Iterator
 
@@ -41,6 +42,7 @@ class Encoder:
         return cls(tokenizer, train.max_prompt_len, train.max_answer_len, train.truncation,
                    train.truncation_head)
 
+    @cached_property
     def special_prefix(self) -> list[int]:
         """The ids the tokenizer puts before any text (BOS for Llama-3; none for SmolLM2)."""
         with_special = self.tokenizer("a").input_ids
@@ -48,7 +50,7 @@ class Encoder:
         return with_special[: len(with_special) - len(without)]
 
     def prompt_ids(self, prompt: str) -> list[int]:
-        prefix = self.special_prefix()
+        prefix = self.special_prefix
         ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
         budget = self.max_prompt_len - len(prefix)
         if len(ids) > budget:

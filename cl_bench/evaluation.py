@@ -35,7 +35,7 @@ def evaluate_task(model: nn.Module, encoder: Encoder, task, cfg: EvalConfig,
                                 tok.eos_token_id, tok.pad_token_id, cfg.batch_size, on_batch)
     predictions = [tok.decode(g, skip_special_tokens=True).strip() for g in generated]
     item_scores = scorers.per_item_scores(task.spec.metric, predictions, answers, prompts)
-    score = scorers.score(task.spec.metric, predictions, answers, prompts)
+    score = sum(item_scores) / len(item_scores)  # = scorers.score (a mean of item scores)
     extras = {name: fn(predictions, answers)
               for name, fn in scorers.EXTRA_METRICS.get(task.spec.metric, {}).items()}
     details = {"metric": task.spec.metric, "score": score, "n": len(predictions),

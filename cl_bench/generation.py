@@ -9,17 +9,10 @@ rows have, or at `max_new_tokens`.
 """
 from __future__ import annotations
 
-import inspect
 from typing import Callable
 
 import torch
 from torch import nn
-
-
-def _cache_name(model: nn.Module) -> str:
-    """transformers renamed `past_key_values` to `cache` (5.x); accept both."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 @torch.no_grad()
@@ -52,9 +45,11 @@ def _generate_batch(model, prompts, max_new_tokens, eos_id, pad_id, device):
         mask[row, width - len(p):] = 1
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
-    cache_arg = _cache_name(model)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                 logits_to_keep=1)
+    # transformers 5 names the KV cache `cache` (in and out); 4.x `past_key_values`.
+    # Read the name off the output, so wrappers with **kwargs forwards work too.
+    cache_arg = "cache" if getattr(out, "cache", None) is not None else "past_key_values"
     cache = getattr(out, cache_arg)
     next_tok = out.logits[:, -1].argmax(-1)  # (B,)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
