@@ -7,7 +7,6 @@ later code reads the dataclasses, never raw dicts.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from cl_bench.errors import UserError
+from cl_bench.errors import UserError, did_you_mean
 
 
 @dataclass
@@ -143,9 +142,7 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 
 def _unknown(where: str, key: str, valid: list[str]) -> UserError:
-    close = difflib.get_close_matches(key, valid, n=1)
-    hint = f"did you mean '{close[0]}'? " if close else ""
-    return UserError(f"{where}: unknown field '{key}'; {hint}valid fields: {', '.join(valid)}")
+    return UserError(f"{where}: unknown field '{key}'; {did_you_mean(key, valid)}valid fields: {', '.join(valid)}")
 
 
 def parse_value(text: str, typ: Any, where: str) -> Any:
@@ -282,9 +279,7 @@ def resolve(profile: str, config_file: Path | None, overrides: dict[str, Any]) -
     file_raw = load_yaml(config_file) if config_file else {}
     profile = overrides.get("profile") or file_raw.get("profile") or profile
     if profile not in PROFILES:
-        close = difflib.get_close_matches(profile, list(PROFILES), n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
-        raise UserError(f"unknown profile '{profile}'; {hint}available: {', '.join(PROFILES)}")
+        raise UserError(f"unknown profile '{profile}'; {did_you_mean(profile, PROFILES)}available: {', '.join(PROFILES)}")
     raw = merge({"profile": profile, **PROFILES[profile]}, file_raw)
     raw = merge(raw, overrides)
     return build(raw, str(config_file) if config_file else "command line")

@@ -4,3 +4,11 @@
 class UserError(Exception):
     """Bad input from the user: a file, a field, a name. The message says what,
     where and how to fix it; the CLI prints it without a traceback."""
+
+
+def did_you_mean(name: str, choices) -> str:
+    """"did you mean 'x'? " for the closest of `choices`, or "" when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f"did you mean '{close[0]}'? " if close else ""

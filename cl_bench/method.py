@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from cl_bench.config import RunConfig, coerce
-from cl_bench.errors import UserError
+from cl_bench.errors import UserError, did_you_mean
 
 
 @dataclass
@@ -70,11 +70,7 @@ class Method:
         values = {}
         for key, value in raw.items():
             if key not in names:
-                import difflib
-
-                close = difflib.get_close_matches(key, names, n=1)
-                hint = f"did you mean '{close[0]}'? " if close else ""
-                raise UserError(f"method '{cls.name}' has no argument '{key}'; {hint}"
+                raise UserError(f"method '{cls.name}' has no argument '{key}'; {did_you_mean(key, names)}"
                                 f"its arguments: {', '.join(names)}")
             values[key] = coerce(value, hints[key], f"method_args.{key}")
         return cls.Args(**values)

@@ -8,7 +8,6 @@ error: `cl-bench list` shows it as broken, and only choosing it fails.
 """
 from __future__ import annotations
 
-import difflib
 import importlib
 import logging
 import pkgutil
@@ -16,7 +15,7 @@ import traceback
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
-from cl_bench.errors import UserError
+from cl_bench.errors import UserError, did_you_mean
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +121,4 @@ def get(name: str) -> type:
         raise UserError(f"method '{name}' failed to load: {failed[0].source}: {failed[0].error}; "
                         f"fix the plugin or choose another method")
     names = sorted(_METHODS)
-    close = difflib.get_close_matches(name, names, n=1)
-    hint = f"did you mean '{close[0]}'? " if close else ""
-    raise UserError(f"unknown method '{name}'; {hint}available: {', '.join(names)}")
+    raise UserError(f"unknown method '{name}'; {did_you_mean(name, names)}available: {', '.join(names)}")

@@ -56,6 +56,11 @@ class Run:
     optimizer: torch.optim.Optimizer | None = None
     progress: bool = True
 
+    @property
+    def cache_dir(self) -> Path:
+        """Tokenised splits, shared by the runs of one output folder."""
+        return self.run_dir.parent / ".cache"
+
 
 def new_run_id(method: str) -> str:
     return f"{method}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
@@ -209,9 +214,8 @@ def _restore(run: Run) -> None:
 
 def _epochs(run: Run, stage: Stage) -> list[list[dict]]:
     """Rows of each epoch: a task joins epoch e while e < its epoch count."""
-    cache = run.run_dir.parent / ".cache"
     per_task = [(run.config.train.epochs_for(t.name),
-                 list(tokenize_train(run.encoder, t.train, cache))) for t in stage.tasks]
+                 list(tokenize_train(run.encoder, t.train, run.cache_dir))) for t in stage.tasks]
     n_epochs = max(n for n, _ in per_task)
     return [[row for n, rows in per_task if e < n for row in rows] for e in range(n_epochs)]
 
@@ -264,13 +268,14 @@ def _run_stage(run: Run, stage: Stage) -> None:
     method.before_task(stage)
     run.optimizer = method.optimizer_for_stage(stage, run.optimizer)
     epochs = _epochs(run, stage)
-    replay_rows = None
+    replay_rows, replayed = None, 0
     if method.uses_replay and len(run.replay):
-        replay_rows = list(tokenize_train(run.encoder, run.replay.examples(),
-                                          run.run_dir.parent / ".cache"))
+        rows = list(tokenize_train(run.encoder, run.replay.examples(), run.cache_dir))
         if run.config.replay.policy == "epoch":
-            epochs.append(replay_rows)  # TRACE's extra epoch over the buffer
-            replay_rows = None
+            epochs.append(rows)  # TRACE's extra epoch over the buffer
+            replayed = len(rows)
+        else:
+            replay_rows = rows  # interleaved by the backend, one micro-batch a step
     t = run.config.train
     n_steps = sum(-(-len(rows) // t.batch_size) for rows in epochs)
     log_rows: list[dict] = []
@@ -280,10 +285,8 @@ def _run_stage(run: Run, stage: Stage) -> None:
             bar.set_postfix({k: f"{v:.3f}" for k, v in parts.items() if k != "grad_norm"})
             bar.update()
 
-        replayed = run.backend.train_stage(method, run.optimizer, stage, epochs,
-                                           run.encoder.tokenizer.pad_token_id, on_step, replay_rows)
-    if method.uses_replay and run.config.replay.policy == "epoch" and len(run.replay):
-        replayed = len(run.replay)
+        replayed += run.backend.train_stage(method, run.optimizer, stage, epochs,
+                                            run.encoder.tokenizer.pad_token_id, on_step, replay_rows)
     method.after_task(stage)
     for task in stage.tasks:
         run.replay.add_task(task)
@@ -305,7 +308,7 @@ def _run_stage(run: Run, stage: Stage) -> None:
                                     "peak_rss_mb": round(peak_rss_mb(), 1)})
     rec["timing"]["total_s"] = round(sum(s["train_s"] + s["eval_s"] for s in rec["timing"]["stages"]), 2)
     used = (rec["replay"] or {}).get("used", 0) + replayed
-    rec["replay"] = {**run.replay.summary(), "used": used, "method_replays": method.uses_replay}
+    rec["replay"] = {**run.replay.summary(), "used": used}
     rec["stages_done"] = stage.index + 1
     with (run.run_dir / results.METRICS_FILE).open("a") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in log_rows)
