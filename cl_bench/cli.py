@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 from pathlib import Path
 
@@ -80,7 +81,7 @@ def cmd_run(args) -> int:
     if args.resume is None:
         overrides = _overrides(args)
         config = cfg.resolve(overrides.pop("profile", "cpu"), args.config, overrides)
-    run = sequencer.prepare(config, args.resume, progress=not args.no_progress)
+    run = sequencer.prepare(config, args.resume, progress=not args.no_progress, command=args.command_line)
     try:
         record = sequencer.execute(run, keep_checkpoint=args.keep_checkpoint)
     except KeyboardInterrupt:
@@ -189,7 +190,13 @@ def cmd_perf(args) -> int:
         from cl_bench.perf_moe import moe_benchmark
 
         result = moe_benchmark(repeats=args.repeats)
+    elif args.what == "upcycle-gap":
+        from cl_bench.perf_moe import upcycle_gap
+
+        args.task = args.task or "paper6"
+        result = upcycle_gap(args)
     else:
+        args.task = args.task or "NumGLUE-ds"
         from cl_bench import perf
 
         result = perf.run(args.what, args)
@@ -198,7 +205,7 @@ def cmd_perf(args) -> int:
         from cl_bench.results import write_json
 
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        write_json(args.output, {"command": " ".join(["cl-bench", *sys.argv[1:]]), **result})
+        write_json(args.output, {"command": args.command_line, **result})
     return 0
 
 
@@ -227,10 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", type=int, required=True)
     p.add_argument("--method-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", action="store_true")
-    p = sub.add_parser("perf", help="measure generation speed-up, harness overhead or MoE dispatch")
-    p.add_argument("what", choices=["generation", "harness", "moe"])
+    p = sub.add_parser("perf", help="measure generation speed-up, harness overhead, MoE dispatch "
+                                    "or the loss upcycling adds before training")
+    p.add_argument("what", choices=["generation", "harness", "moe", "upcycle-gap"])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--task", default="NumGLUE-ds")
+    p.add_argument("--task", help="task(s) or order; default NumGLUE-ds (upcycle-gap: paper6)")
     p.add_argument("--n", type=int, default=32, help="prompts (generation) or examples (harness)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -245,7 +253,9 @@ COMMANDS = {"run": cmd_run, "show": cmd_show, "list": cmd_list, "leaderboard": c
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.command_line = shlex.join(["cl-bench", *argv])  # recorded beside what the command writes
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("transformers", "datasets", "urllib3", "filelock", "httpx", "absl"):

@@ -1,9 +1,10 @@
 """The Method contract: the hooks a continual-learning method may override.
 
 The sequencer calls, for each stage b:
-    before_task(stage) -> optimizer_for_stage(stage, previous) -> [loss(batch, step)*,
-    before_step(step), optimiser step, after_step(step)]* -> after_task(stage)
-    -> eval_tasks / eval_model -> param_report
+    before_task(stage) -> for each of phases(stage) (one "train" phase by default):
+        [before_phase(stage, phase) -> optimizer_for_stage(stage, previous) ->
+         [loss(batch, step)*, before_step(step), optimiser step, after_step(step)]*]
+    -> after_task(stage) -> eval_tasks / eval_model -> param_report
 and state_dict()/load_state_dict() around checkpoints. It never looks at a
 method's name: anything a method needs from the harness is one of these hooks
 or a declared class attribute.
@@ -39,6 +40,17 @@ class Stage:
     index: int
     tasks: list  # list[TaskData] trained in this stage
     label: str
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One pass of training inside a stage (a method may train in several, e.g.
+    Branch-Train-MiX: the branch, then the router). Each phase runs the profile's
+    epochs over the stage's data; `replay`: the shared buffer joins this phase
+    (for methods that declare `uses_replay`)."""
+
+    name: str = "train"
+    replay: bool = True
 
 
 @dataclass
@@ -93,6 +105,13 @@ class Method:
 
     def before_task(self, stage: Stage) -> None:
         """Called before a stage trains (expand experts, add an adapter, ...)."""
+
+    def phases(self, stage: Stage) -> list[Phase]:
+        """The training phases of `stage`, in order. Default: one."""
+        return [Phase()]
+
+    def before_phase(self, stage: Stage, phase: Phase) -> None:
+        """Called before each phase trains, after before_task (change what trains)."""
 
     def param_groups(self) -> list[dict]:
         return [{"params": [p for p in self.model.parameters() if p.requires_grad]}]
@@ -162,6 +181,23 @@ class Method:
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return {"total": total, "trainable": trainable, "active_per_token": total,
                 "deployed": total, "experts_per_layer": None}
+
+    @classmethod
+    def param_schedule(cls, model: nn.Module, n_tasks: int, args: MethodArgs) -> list[dict[str, Any]]:
+        """param_report after each stage of `n_tasks` tasks, without training or data
+        (`cl-bench params`): the method's own setup/before_task/before_phase run on
+        `model` (on the meta device: shapes only), which they may change in place.
+        Methods whose hooks need data or a tokenizer override this."""
+        method = cls(args, context=None)
+        method.setup(model)
+        rows = []
+        for t in range(n_tasks):
+            stage = Stage(t, [], f"task {t}")
+            method.before_task(stage)
+            for phase in method.phases(stage):
+                method.before_phase(stage, phase)
+            rows.append({"stage": t, **method.param_report()})
+        return rows
 
 
 def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

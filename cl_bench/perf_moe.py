@@ -33,7 +33,7 @@ def _dense_mlp(d: int, H: int) -> nn.Module:
 
 
 def _layer(dense: nn.Module, n_experts: int, k: int, all_trainable: bool) -> UpcycledMoE:
-    layer = UpcycledMoE(dense, k=k, routed_scale_init=1.0)
+    layer = UpcycledMoE(dense, k=k)
     while layer.n_experts < n_experts:
         for group in layer.groups:
             group.requires_grad_(all_trainable)
@@ -77,3 +77,66 @@ def moe_benchmark(d: int = 576, H: int = 1536, tokens: int = 4096, experts=(8, 1
             "routed_s": routed, "routed_ratio_vs_first": routed_ratio,
             "within_1_25x": ratio[str(experts[-1])] <= 1.25,
             "torch_threads": torch.get_num_threads()}
+
+
+def _answer_loss(model: nn.Module, rows: list[dict], pad_id: int, batch_size: int) -> float:
+    """Token-weighted mean cross-entropy over the answer tokens (+ EOS) of `rows`."""
+    from cl_bench.data import IGNORE, collate
+
+    total = tokens = 0.0
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(rows), batch_size):
+            batch = collate(rows[start:start + batch_size], pad_id)
+            n = int((batch["labels"] != IGNORE).sum())
+            out = model(**batch, use_cache=False)
+            total += float(out.loss) * n
+            tokens += n
+    return total / tokens
+
+
+UPCYCLED_VARIANTS = {
+    # name: upcycle_model keyword arguments (besides init)
+    "swap": {"shared": "swap"},
+    "add s=1 (paper code)": {"shared": "add", "routed_scale_init": 1.0},
+}
+
+
+def upcycle_gap(args) -> dict:
+    """How far upcycling moves the model before any training (METHODS.md: more than
+    2% needs a function-preserving mechanism): the answer-token loss of the dense
+    model and of each upcycled variant (all layers, 8 slices, top-2, router rows
+    N(0, 0.02) from seed 0) on held-out test examples of each task, and the
+    relative change. Drop-Upcycling (half of each expert re-drawn) is measured too:
+    it changes the function by design."""
+    import copy
+
+    from cl_bench.benchmarks.trace import load_benchmark, resolve_data_dir
+    from cl_bench.config import PROFILES, build
+    from cl_bench.data import Encoder, tokenize_train
+    from cl_bench.models.loading import load
+    from cl_bench.models.moe import drop_upcycle_init, slice_experts, upcycle_model
+
+    config = build({**PROFILES["cpu"], "profile": "cpu", "model": args.model}, "perf")
+    loaded = load(args.model, config.seed)
+    encoder = Encoder.from_config(loaded.tokenizer, config.train)
+    tasks = load_benchmark(resolve_data_dir(args.data_dir), args.task, n_train=1, n_test=args.n,
+                           seed=config.seed)
+    rows = {t.name: list(tokenize_train(encoder, t.test, None)) for t in tasks}
+    pad = loaded.tokenizer.pad_token_id
+    variants = {name: (kw, slice_experts) for name, kw in UPCYCLED_VARIANTS.items()}
+    variants["drop-upcycle swap"] = ({"shared": "swap"}, drop_upcycle_init(0.5))
+    loss = {"dense": {name: _answer_loss(loaded.model, r, pad, args.batch_size) for name, r in rows.items()}}
+    for name, (kwargs, init) in variants.items():
+        torch.manual_seed(0)
+        model = copy.deepcopy(loaded.model)
+        upcycle_model(model, init=init, **kwargs)
+        loss[name] = {task: _answer_loss(model, r, pad, args.batch_size) for task, r in rows.items()}
+        log.info("%s: %s", name, {t: round(v, 4) for t, v in loss[name].items()})
+    change = {name: {t: 100 * (v / loss["dense"][t] - 1) for t, v in per_task.items()}
+              for name, per_task in loss.items() if name != "dense"}
+    mean_change = {name: statistics.mean(per_task.values()) for name, per_task in change.items()}
+    return {"what": "upcycle-gap", "model": args.model, "tasks": [t.name for t in tasks],
+            "examples_per_task": args.n, "split": "test", "loss": loss, "change_pct": change,
+            "mean_change_pct": mean_change,
+            "within_2pct": {name: max(abs(v) for v in c.values()) <= 2.0 for name, c in change.items()}}

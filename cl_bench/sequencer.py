@@ -30,7 +30,7 @@ from cl_bench.config import RunConfig, build
 from cl_bench.data import Encoder, tokenize_train
 from cl_bench.errors import UserError
 from cl_bench.evaluation import evaluate_task
-from cl_bench.method import Method, MethodContext, Stage
+from cl_bench.method import Method, MethodContext, Phase, Stage
 from cl_bench.metrics.cl import summarise
 from cl_bench.models.loading import load
 from cl_bench.replay import ReplayBuffer
@@ -70,10 +70,13 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: bool = True) -> Run:
+def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: bool = True,
+            command: str | None = None) -> Run:
     """Validate, load data and model, set the method up; with `resume_dir`, the
     config comes from that run's record and its checkpoint is restored.
-    Everything that can be checked without a model is checked first."""
+    Everything that can be checked without a model is checked first. `command`:
+    the command line to record (default: this process's)."""
+    command = command or shlex.join(["cl-bench", *sys.argv[1:]])
     if resume_dir is not None:
         record = results.read_record(resume_dir)
         if record.get("status") == "complete":
@@ -112,20 +115,20 @@ def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: 
 
     if resume_dir is None:
         run_dir.mkdir(parents=True, exist_ok=True)
-        record = _new_record(config, method, method_args, loaded.info, tasks, stages)
+        record = _new_record(config, method, method_args, loaded.info, tasks, stages, command)
     run = Run(config, run_dir, method, tasks, stages, encoder, TorchBackend(config, device),
               record, replay, sources, progress=progress)
     if resume_dir is not None:
-        _restore(run)
+        _restore(run, command)
     return run
 
 
-def _new_record(config, method, method_args, model_info, tasks, stages) -> dict[str, Any]:
+def _new_record(config, method, method_args, model_info, tasks, stages, command: str) -> dict[str, Any]:
     return {
         "schema_version": results.SCHEMA_VERSION,
         "run_id": config.run_id,
         "status": "running",
-        "command": shlex.join(["cl-bench", *sys.argv[1:]]),
+        "command": command,
         "method": method.name,
         "method_args": dataclasses.asdict(method_args),
         "reference": method.reference,
@@ -183,7 +186,7 @@ def _checkpoint(run: Run, stage_index: int) -> None:
     results.save_checkpoint(run.run_dir, state)
 
 
-def _restore(run: Run) -> None:
+def _restore(run: Run, command: str) -> None:
     state = results.load_checkpoint(run.run_dir)
     run.method.load_state_dict(state["method"])  # may rebuild architecture first
     run.method.model.load_state_dict(state["model"])
@@ -208,7 +211,7 @@ def _restore(run: Run) -> None:
     metrics = run.run_dir / results.METRICS_FILE
     results.write_jsonl(metrics, [r for r in results.read_jsonl(metrics) if r["stage"] < done])
     rec["status"] = "running"
-    rec.setdefault("resumes", []).append({"at_stage": done, "command": shlex.join(["cl-bench", *sys.argv[1:]])})
+    rec.setdefault("resumes", []).append({"at_stage": done, "command": command})
     log.info("resuming %s at stage %d/%d", run.run_dir, done + 1, len(run.stages))
 
 
@@ -260,16 +263,14 @@ def execute(run: Run, keep_checkpoint: bool = False) -> dict[str, Any]:
     return rec
 
 
-def _run_stage(run: Run, stage: Stage) -> None:
-    rec, method = run.record, run.method
-    n_stages = len(run.stages)
-    label = f"stage {stage.index + 1}/{n_stages} [{stage.label}]"
-    t0 = time.perf_counter()
-    method.before_task(stage)
-    run.optimizer = method.optimizer_for_stage(stage, run.optimizer)
+def _train_phase(run: Run, stage: Stage, phase: Phase, desc: str, log_rows: list[dict],
+                 tag: bool) -> tuple[int, int]:
+    """Train one phase of `stage`; returns (optimiser steps, replay examples used).
+    Step log rows go to `log_rows`, tagged with the phase when `tag`."""
+    method = run.method
     epochs = _epochs(run, stage)
     replay_rows, replayed = None, 0
-    if method.uses_replay and len(run.replay):
+    if method.uses_replay and phase.replay and len(run.replay):
         rows = list(tokenize_train(run.encoder, run.replay.examples(), run.cache_dir))
         if run.config.replay.policy == "epoch":
             epochs.append(rows)  # TRACE's extra epoch over the buffer
@@ -278,15 +279,34 @@ def _run_stage(run: Run, stage: Stage) -> None:
             replay_rows = rows  # interleaved by the backend, one micro-batch a step
     t = run.config.train
     n_steps = sum(-(-len(rows) // t.batch_size) for rows in epochs)
-    log_rows: list[dict] = []
-    with tqdm(total=n_steps, desc=f"{label} train", unit="step", disable=not run.progress) as bar:
+    extra = {"phase": phase.name} if tag else {}
+    with tqdm(total=n_steps, desc=desc, unit="step", disable=not run.progress) as bar:
         def on_step(step: int, parts: dict[str, float]) -> None:
-            log_rows.append({"stage": stage.index, "step": step, **parts})
+            log_rows.append({"stage": stage.index, **extra, "step": step, **parts})
             bar.set_postfix({k: f"{v:.3f}" for k, v in parts.items() if k != "grad_norm"})
             bar.update()
 
         replayed += run.backend.train_stage(method, run.optimizer, stage, epochs,
                                             run.encoder.tokenizer.pad_token_id, on_step, replay_rows)
+    return n_steps, replayed
+
+
+def _run_stage(run: Run, stage: Stage) -> None:
+    rec, method = run.record, run.method
+    n_stages = len(run.stages)
+    label = f"stage {stage.index + 1}/{n_stages} [{stage.label}]"
+    t0 = time.perf_counter()
+    method.before_task(stage)
+    phases = method.phases(stage)
+    replayed = n_steps = 0
+    log_rows: list[dict] = []
+    for phase in phases:
+        method.before_phase(stage, phase)
+        run.optimizer = method.optimizer_for_stage(stage, run.optimizer)
+        desc = f"{label} {phase.name}" if len(phases) > 1 else f"{label} train"
+        steps_done, used = _train_phase(run, stage, phase, desc, log_rows, len(phases) > 1)
+        n_steps += steps_done
+        replayed += used
     method.after_task(stage)
     for task in stage.tasks:
         run.replay.add_task(task)

@@ -20,11 +20,15 @@ class Individual(Method):
 
     def setup(self, model: torch.nn.Module) -> None:
         super().setup(model)
-        # The pretrained weights, restored before every task. Kept on the CPU.
-        self._pretrained = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        # The pretrained weights, restored before every task. Kept on the CPU
+        # (shapes only on the meta device, for `cl-bench params`).
+        self._pretrained = {k: v.detach().to("meta" if v.is_meta else "cpu", copy=True)
+                            for k, v in model.state_dict().items()}
+        self._tasks_done = 0
 
     def before_task(self, stage: Stage) -> None:
         self.model.load_state_dict(self._pretrained)
+        self._tasks_done = stage.index + 1
 
     def optimizer_for_stage(self, stage: Stage, previous):
         return self.make_optimizer(self.param_groups())  # fresh moments for every task
@@ -36,5 +40,5 @@ class Individual(Method):
         report = super().param_report()
         n = report["total"]
         report["total"] = 2 * n  # the model and the pretrained copy it restarts from
-        report["deployed"] = n * len(self.ctx.all_tasks)  # one model per task
+        report["deployed"] = n * self._tasks_done  # one model per task so far
         return report

@@ -173,11 +173,57 @@ def test_upcycled_model_starts_as_the_dense_model():
     assert len(layers) == 2 and moe.experts_per_layer(model) == [8, 8]
     ids = torch.randint(3, 259, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert torch.equal(model(ids).logits, dense_model(ids).logits)
-        # the paper code's layer (scale 1): dense + routed slices is a different function
+        torch.testing.assert_close(model(ids).logits, dense_model(ids).logits, rtol=1e-5, atol=1e-5)
+        # the paper code's layer (dense + routed slices, unscaled) is a different function
         paper = copy.deepcopy(dense_model)
-        moe.upcycle_model(paper, routed_scale_init=1.0)
-        assert not torch.allclose(paper(ids).logits, dense_model(ids).logits, atol=1e-4)
+        moe.upcycle_model(paper, shared="add", routed_scale_init=1.0)
+        assert not torch.allclose(paper(ids).logits, dense_model(ids).logits, atol=1e-3)
+        # a scale initialised to 0 also starts as the dense model
+        zero = copy.deepcopy(dense_model)
+        moe.upcycle_model(zero, shared="add", routed_scale_init=0.0)
+        assert torch.equal(zero(ids).logits, dense_model(ids).logits)
+
+
+def test_swap_stays_the_dense_mlp_for_any_routing_and_trains_the_chosen_experts(dense):
+    """With experts equal to their slices, any router (here random, over 3 groups
+    whose slots repeat) gives the dense output; the experts a token chose get the
+    gradient of its share of the slice."""
+    torch.manual_seed(0)
+    layer = moe.UpcycledMoE(dense, k=2)
+    for _ in range(3):
+        layer.add_group(router_std=1.0)
+    x = tokens(12)
+    y = layer(x)
+    torch.testing.assert_close(y, dense(x), rtol=1e-5, atol=1e-6)
+    y.square().sum().backward()
+    _, weights, indices = layer.route(x)
+    used = set(indices.reshape(-1).tolist())
+    grads = [g.gate.grad[i] for g in layer.groups for i in range(len(g))]
+    for e, grad in enumerate(grads):
+        assert (grad.abs().sum() > 0) == (e in used), e
+    # a changed expert changes the output only through the tokens routed to it
+    share = torch.zeros(x.shape[0], layer.n_experts).scatter_add_(1, indices, weights)  # (N, E)
+    e = int(share.amax(dim=0).argmax())  # the expert with the largest weight on some token
+    group, i = layer.groups[e // 8], e % 8
+    with torch.no_grad():
+        group.down[i] += 0.1
+        y2 = layer(x)
+    moved = (y2 - y).abs().amax(dim=1) > 1e-6
+    assert not moved[share[:, e] == 0].any()  # tokens not routed to it: unchanged
+    assert moved[share[:, e] > 0.1].all() and moved.any()
+
+
+def test_slots_follow_the_expert_and_survive_saving(tmp_path):
+    model, _, _ = tiny_llama(0)
+    moe.upcycle_model(model, layers=[0])
+    layer = moe.moe_layers(model)[0]
+    layer.add_group(random_experts(3), slots=[7, 6, 5, 4, 3, 2, 1, 0])
+    assert layer.slots().tolist() == list(range(8)) + list(range(7, -1, -1))
+    path = tmp_path / "m.pt"
+    moe.save_upcycled(model, path)
+    fresh, _, _ = tiny_llama(0)
+    moe.load_upcycled(fresh, path)
+    assert moe.moe_layers(fresh)[0].slots().tolist() == layer.slots().tolist()
 
 
 def test_drop_upcycle_reinitialises_half_of_each_expert_with_one_index_set(dense):
@@ -256,3 +302,14 @@ def test_upcycle_resumes_to_the_same_run(trace_dir, tmp_path, monkeypatch):
     assert resumed["params"] == expected["params"]
     rows = lambda d: [(r["lm"], r["lb"]) for r in results.read_jsonl(d / "metrics.jsonl")]
     assert rows(run_dir) == rows(only_run(straight))
+
+
+def test_upcycle_gap_command_measures_the_loss_each_variant_adds(trace_dir, tmp_path):
+    out = tmp_path / "gap.json"
+    assert run_cli("perf", "upcycle-gap", "--model", "tiny-llama", "--task", "NumGLUE-cm,Py150",
+                   "--n", "4", "--data-dir", str(trace_dir), "--output", str(out)) == 0
+    gap = json.loads(out.read_text())
+    assert gap["tasks"] == ["NumGLUE-cm", "Py150"] and gap["command"].startswith("cl-bench perf")
+    swap, paper = gap["change_pct"]["swap"], gap["change_pct"]["add s=1 (paper code)"]
+    assert all(abs(v) < 1e-3 for v in swap.values()) and gap["within_2pct"]["swap"]
+    assert all(abs(v) > 1e-3 for v in paper.values())

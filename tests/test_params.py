@@ -28,15 +28,15 @@ def test_standard_upcycling_of_llama_3_2_1b_over_6_tasks_is_6_07b():
     assert [r["experts_per_layer"] for r in rows] == [[8 * (t + 1)] * L for t in range(6)]
     last = rows[-1]
     assert PER_EXPERT == 6_291_456
-    # 768 experts + 48 router rows per layer + one routed scale per layer
-    assert last["total"] == 1_235_814_400 + 768 * PER_EXPERT + L * (48 * ROUTER_ROW + 1)
+    # 768 experts + 48 router rows per layer
+    assert last["total"] == 1_235_814_400 + 768 * PER_EXPERT + L * 48 * ROUTER_ROW
     assert last["total"] == pytest.approx(6.07e9, rel=5e-3)
     # a token touches the dense model, the whole router and 2 experts per layer: ~1.44B
-    assert last["active_per_token"] == 1_235_814_400 + L * (2 * PER_EXPERT + 48 * ROUTER_ROW + 1)
+    assert last["active_per_token"] == 1_235_814_400 + L * (2 * PER_EXPERT + 48 * ROUTER_ROW)
     for r in rows:
         assert r["active_per_token"] < r["total"] == r["deployed"]
-        # trainable at every stage: the newest group, its router rows, the scales
-        assert r["trainable"] == L * (8 * PER_EXPERT + 8 * ROUTER_ROW + 1)
+        # trainable at every stage: the newest group and its router rows
+        assert r["trainable"] == L * (8 * PER_EXPERT + 8 * ROUTER_ROW)
     assert "6.069B" in format_schedule(rows)
 
 
@@ -58,12 +58,11 @@ def test_upcycle_stage_t_trains_the_new_group_and_its_router_rows_only():
         method.before_task(Stage(t, [], f"task {t}"))
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         want = {f"model.layers.{i}.mlp.{name}" for i in range(2) for name in
-                [f"groups.{t}.{p}" for p in ("gate", "up", "down", "router_weight", "router_bias")]
-                + ["routed_scale"]}
+                [f"groups.{t}.{p}" for p in ("gate", "up", "down", "router_weight", "router_bias")]}
         assert trainable == want
         report = method.param_report()
         group = 8 * 3 * 16 * 64 + 8 * 65  # 8 experts (3 * h * d) + 8 router rows (d + 1)
-        assert report["trainable"] == 2 * (group + 1)
+        assert report["trainable"] == 2 * group
         assert report["experts_per_layer"] == [8 * (t + 1)] * 2
 
 
@@ -95,5 +94,5 @@ def test_active_params_count_top_k_experts_of_each_moe_layer():
     report = count(model)
     expert = 3 * 16 * 64
     assert report["experts_per_layer"] == [0, 16]
-    assert report["total"] == dense_total + 16 * expert + 16 * 65 + 1
+    assert report["total"] == dense_total + 16 * expert + 16 * 65
     assert report["active_per_token"] == report["total"] - 14 * expert

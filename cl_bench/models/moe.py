@@ -3,20 +3,28 @@
 A Llama-style SwiGLU MLP  y = W_down(act(W_gate x) * (W_up x))  with W_gate, W_up: [H, d]
 and W_down: [d, H] is replaced in place by
 
-    y = dense(x) + s * sum_{e in top-k(x)} w_e(x) * expert_e(x)
+    y = shared(x) + sum_{e in top-k(x)} w_e(x) * expert_e(x)
 
-- dense: the original MLP, frozen, kept as an always-on shared path (the
-  upcycling paper's code does the same, bilevel-reference.md §1).
 - expert i of a group of K takes rows [i*h, (i+1)*h) of W_gate and W_up and the
   same columns of W_down, h = H / K (a "slice"); the K slices of a group summed
-  with weight 1 are the dense MLP exactly.
+  with weight 1 are the dense MLP exactly. Each expert records the slice it
+  came from (its slot, a buffer of its group).
 - router: one row (and bias) per expert, softmax over all E experts in fp32,
   top-k, weights renormalised to sum to 1 (no noise, no capacity limit).
-- s: a learned per-layer scale on the routed sum, `routed_scale_init` (default
-  0). dense + routed slices != dense, so with s = 0 the upcycled model starts as
-  exactly the dense model; s = 1 is the paper code's layer (not function-
-  preserving). With s = 0 the experts get no gradient until s has moved (like
-  LoRA's B = 0): with Adam, s moves by about lr per step.
+- shared path, two modes (`shared`):
+  "swap" (default): the frozen dense MLP with the routed experts' slots taken
+  out in proportion to their weights,
+      shared(x) = W_down[(act(W_gate x) * W_up x) * (1 - m(x))],
+  m(x) in [0, 1]^H being, over the neurons of slot j, the summed weight of the
+  chosen experts whose slot is j. A token's chosen experts stand in for their
+  own slices of the dense MLP, so while experts equal their slices the layer
+  *is* the dense MLP (function-preserving at upcycling, to float rounding), and
+  experts get full gradient from the first step. Same cost as the dense MLP.
+  "add": dense(x) + s * routed, s a learned per-layer scalar initialised to
+  `routed_scale_init`; s = 1 is the paper code's layer, which is not
+  function-preserving (dense + routed slices != dense: `cl-bench perf
+  upcycle-gap` measures the loss it adds); s = 0 starts as the dense model but
+  gives the experts no gradient until s has moved (with Adam, by ~lr a step).
 - load balancing (Switch): coef * E * sum_i f_i * P_i, with f_i the share of the
   N*k token->expert assignments that go to expert i (sums to 1, as MegaBlocks;
   Mixtral's f sums to k) and P_i the mean router probability of expert i over
@@ -52,7 +60,8 @@ from cl_bench.errors import UserError
 # (dense MLP, K) -> gate [n, h, d], up [n, h, d], down [n, d, h]
 ExpertInit = Callable[[nn.Module, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
-SAVE_FORMAT = "cl-bench-upcycled/1"
+SAVE_FORMAT = "cl-bench-upcycled/2"
+SHARED_MODES = ("swap", "add")
 
 
 # ---- expert initialisers ------------------------------------------------------
@@ -109,26 +118,30 @@ class ExpertGroup(nn.Module):
     """n SwiGLU experts of width h, stacked, with their router rows."""
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                 router_weight: torch.Tensor, router_bias: torch.Tensor):
+                 router_weight: torch.Tensor, router_bias: torch.Tensor, slots=None):
         super().__init__()
         n, h, d = gate.shape
         assert up.shape == (n, h, d) and down.shape == (n, d, h), (gate.shape, up.shape, down.shape)
         assert router_weight.shape == (n, d) and router_bias.shape == (n,)
+        slots = torch.arange(n) if slots is None else torch.as_tensor(slots)
+        assert slots.shape == (n,), slots.shape
         self.gate = nn.Parameter(gate)  # (n, h, d)
         self.up = nn.Parameter(up)  # (n, h, d)
         self.down = nn.Parameter(down)  # (n, d, h)
         self.router_weight = nn.Parameter(router_weight)  # (n, d): row i scores expert i
         self.router_bias = nn.Parameter(router_bias)  # (n,)
+        # the dense slice each expert stands in for ("swap" shared path)
+        self.register_buffer("slots", slots.to(device=gate.device, dtype=torch.long))  # (n,)
 
     def __len__(self) -> int:
         return self.gate.shape[0]
 
 
 class UpcycledMoE(nn.Module):
-    """dense(x) + routed_scale * sum over top-k experts; see the module docstring."""
+    """shared(x) + sum over top-k experts; see the module docstring."""
 
     def __init__(self, dense: nn.Module, k: int = 2, n_per_group: int = 8, lb_coef: float = 0.01,
-                 routed_scale_init: float = 0.0):
+                 shared: str = "swap", routed_scale_init: float = 1.0):
         super().__init__()
         for name in ("gate_proj", "up_proj", "down_proj", "act_fn"):
             if not hasattr(dense, name):
@@ -141,15 +154,19 @@ class UpcycledMoE(nn.Module):
         if H % n_per_group:
             raise UserError(f"FFN width {H} does not split into {n_per_group} experts; "
                             f"choose experts_per_task dividing {H}")
+        if shared not in SHARED_MODES:
+            raise UserError(f"shared path '{shared}' unknown; choose one of {', '.join(SHARED_MODES)}")
         self.dense = dense.requires_grad_(False)
+        self.shared = shared
         self.k = k
         self.n_per_group = n_per_group
         self.lb_coef = lb_coef
         self.d, self.h = d, H // n_per_group
         self.groups = nn.ModuleList()
+        self.routed_scale_init = routed_scale_init
         w = dense.gate_proj.weight
-        self.routed_scale = nn.Parameter(torch.full((), float(routed_scale_init), dtype=w.dtype,
-                                                    device=w.device))
+        self.routed_scale = (nn.Parameter(torch.full((), float(routed_scale_init), dtype=w.dtype,
+                                                     device=w.device)) if shared == "add" else None)
         self.aux_loss: torch.Tensor | None = None  # set by each training forward
 
     @property
@@ -160,12 +177,16 @@ class UpcycledMoE(nn.Module):
         return [len(g) for g in self.groups]
 
     def settings(self) -> dict:
-        return {"k": self.k, "n_per_group": self.n_per_group, "lb_coef": self.lb_coef}
+        return {"k": self.k, "n_per_group": self.n_per_group, "lb_coef": self.lb_coef,
+                "shared": self.shared, "routed_scale_init": self.routed_scale_init}
 
-    def add_group(self, init: ExpertInit = slice_experts, router_std: float = 0.02) -> list[nn.Parameter]:
+    def add_group(self, init: ExpertInit = slice_experts, router_std: float = 0.02,
+                  slots=None) -> list[nn.Parameter]:
         """Append the experts `init` makes (K slices by default) with new router rows
         ~ N(0, router_std) (zeros when 0) and zero biases, so row i of the layer's
-        router keeps scoring expert i. Returns the new group's parameters."""
+        router keeps scoring expert i. `slots`: the dense slice each new expert
+        stands in for (default: expert i of the group, slice i). Returns the new
+        group's parameters."""
         gate, up, down = init(self.dense, self.n_per_group)
         n = gate.shape[0]
         if gate.shape[1:] != (self.h, self.d):
@@ -175,7 +196,9 @@ class UpcycledMoE(nn.Module):
         router_weight = like.new_zeros(n, self.d)
         if router_std > 0:
             router_weight.normal_(0.0, router_std)
-        group = ExpertGroup(gate, up, down, router_weight, like.new_zeros(n))
+        if slots is None:
+            slots = torch.arange(n) % self.n_per_group
+        group = ExpertGroup(gate, up, down, router_weight, like.new_zeros(n), slots)
         self.groups.append(group)
         return list(group.parameters())
 
@@ -184,6 +207,9 @@ class UpcycledMoE(nn.Module):
 
     def router_bias(self) -> torch.Tensor:
         return torch.cat([g.router_bias for g in self.groups])  # (E,)
+
+    def slots(self) -> torch.Tensor:
+        return torch.cat([g.slots for g in self.groups])  # (E,)
 
     def experts(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(gate [h, d], up [h, d], down [d, h]) of each expert, in router-row order.
@@ -234,8 +260,20 @@ class UpcycledMoE(nn.Module):
         probs, weights, indices = self.route(flat)
         use_lb = self.training and self.lb_coef > 0
         self.aux_loss = self.balance_loss(probs, indices) if use_lb else None
-        routed = self.experts_forward(flat, weights, indices).reshape(shape)
-        return self.dense(x) + self.routed_scale * routed
+        routed = self.experts_forward(flat, weights, indices)
+        if self.shared == "add":
+            return self.dense(x) + self.routed_scale * routed.reshape(shape)
+        return (self.swapped_dense(flat, weights, indices) + routed).reshape(shape)
+
+    def swapped_dense(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The dense MLP with each slot's neurons scaled by 1 - (weight routed to
+        experts of that slot). x: (N, d); weights, indices: (N, k) -> (N, d)."""
+        dense = self.dense
+        inter = dense.act_fn(dense.gate_proj(x)) * dense.up_proj(x)  # (N, H)
+        taken = x.new_zeros(x.shape[0], self.n_per_group)  # (N, K)
+        taken.scatter_add_(1, self.slots()[indices], weights.to(x.dtype))
+        keep = (1 - taken).repeat_interleave(self.h, dim=1)  # (N, H)
+        return dense.down_proj(inter * keep)
 
 
 # ---- whole models -----------------------------------------------------------------
@@ -278,7 +316,7 @@ def _check_layers(n: int, layers) -> list[int]:
 
 
 def upcycle_model(model: nn.Module, layers: list[int] | None = None, k: int = 2, n_per_group: int = 8,
-                  lb_coef: float = 0.01, routed_scale_init: float = 0.0,
+                  lb_coef: float = 0.01, shared: str = "swap", routed_scale_init: float = 1.0,
                   init: ExpertInit = slice_experts, router_std: float = 0.02) -> list[UpcycledMoE]:
     """Replace the MLP of `layers` (default: all) by an UpcycledMoE with one group
     of `n_per_group` experts made by `init`, in place. Returns the new layers."""
@@ -287,7 +325,7 @@ def upcycle_model(model: nn.Module, layers: list[int] | None = None, k: int = 2,
     for i in _check_layers(len(blocks), layers):
         if isinstance(blocks[i].mlp, UpcycledMoE):
             raise ValueError(f"decoder layer {i} is already upcycled")
-        moe = UpcycledMoE(blocks[i].mlp, k, n_per_group, lb_coef, routed_scale_init)
+        moe = UpcycledMoE(blocks[i].mlp, k, n_per_group, lb_coef, shared, routed_scale_init)
         moe.add_group(init, router_std)
         blocks[i].mlp = moe
         out.append(moe)
@@ -295,7 +333,7 @@ def upcycle_model(model: nn.Module, layers: list[int] | None = None, k: int = 2,
 
 
 def rebuild(model: nn.Module, layout: list, *, k: int = 2, n_per_group: int = 8, lb_coef: float = 0.01,
-            routed_scale_init: float = 0.0) -> list[UpcycledMoE]:
+            shared: str = "swap", routed_scale_init: float = 1.0) -> list[UpcycledMoE]:
     """Give `model` the architecture `layout` so a saved state_dict loads into it.
     layout[i] per decoder layer: None or 0 (dense), an int (that many experts, in
     groups of n_per_group) or a list of group sizes. Layers already upcycled keep
@@ -314,7 +352,7 @@ def rebuild(model: nn.Module, layout: list, *, k: int = 2, n_per_group: int = 8,
                 raise ValueError(f"layer {i} is upcycled but the layout says dense")
             continue
         if not isinstance(block.mlp, UpcycledMoE):
-            block.mlp = UpcycledMoE(block.mlp, k, n_per_group, lb_coef, routed_scale_init)
+            block.mlp = UpcycledMoE(block.mlp, k, n_per_group, lb_coef, shared, routed_scale_init)
         have = block.mlp.group_sizes()
         if have != list(want[:len(have)]):
             raise ValueError(f"layer {i} has groups {have}, which are not a prefix of {list(want)}")

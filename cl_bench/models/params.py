@@ -7,10 +7,9 @@ router and k experts count); deployed: what an exported model needs; for an
 upcycled model that is all of it, as any expert may be routed to.
 
 `schedule_report` gives these per stage of a method's growth schedule without
-training or weights: on the meta device for the known configurations. A method
-class declares its growth with a classmethod
-    param_schedule(model, n_tasks, args) -> list[dict]   (one row per stage);
-methods without one (the dense baselines) get the same report every stage.
+training or weights: on the meta device for the known configurations, through
+the method's classmethod `param_schedule(model, n_tasks, args)` (Method's runs
+its setup and per-stage hooks and reports after each).
 """
 from __future__ import annotations
 
@@ -56,11 +55,7 @@ def schedule_report(model: str | nn.Module, method: str, n_tasks: int,
         raise UserError(f"--tasks {n_tasks}: give at least 1 task")
     cls = registry.get(method)
     args = cls.parse_args(method_args or {})
-    net = _model(model)
-    schedule = getattr(cls, "param_schedule", None)
-    if schedule is None:  # dense methods: the model does not change
-        return [{"stage": t, **count(net)} for t in range(n_tasks)]
-    return schedule(net, n_tasks, args)
+    return cls.param_schedule(_model(model), n_tasks, args)
 
 
 def params_command(model: str, method: str, tasks: int,
