@@ -1,7 +1,9 @@
 """Run records -> leaderboard tables (Markdown, CSV, LaTeX), mean ± std over seeds.
 
 Reads `<runs_dir>/**/run.json` (schema_version 1), groups runs by
-(method, model id, profile, task order, reference), aggregates, and formats.
+(method, method arguments, model id, profile, task order, reference),
+aggregates, and formats. Where one method appears with several argument sets
+(a sweep), its rows are labelled with the arguments that differ.
 Nothing here scores or recomputes a metric: the summaries come from the records.
 """
 
@@ -32,9 +34,9 @@ PARAMS = (
     ("active_per_token", "Active/token"),
     ("deployed", "Deployed"),
 )
-GROUP_KEYS = ["Method", "Model", "Profile", "Order", "Reference"]
+GROUP_KEYS = ["Method", "Args", "Model", "Profile", "Order", "Reference"]
 COLUMNS = (
-    ["Method", "Model", "Profile", "Tasks", "Order", "Reference", "Runs"]
+    ["Method", "Args", "Model", "Profile", "Tasks", "Order", "Reference", "Runs"]
     + [f"{stem} {stat_}" for _, stem in SCORES for stat_ in ("mean", "std")]
     + [col for _, col in PARAMS]
     + ["Wall time (min)"]
@@ -106,6 +108,7 @@ def _flatten(run: dict) -> dict:
     total_s = (run.get("timing") or {}).get("total_s")
     row = {
         "Method": _field(run, "method"),
+        "Args": json.dumps(run.get("method_args") or {}, sort_keys=True),
         "Model": _field(run, "model", "id"),
         "Profile": _field(run, "profile"),
         "Order": ",".join(tasks),
@@ -177,8 +180,8 @@ def _display_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     headers = ["Method", "Model", "Profile", "Tasks", "Runs"] + [stem for _, stem in SCORES]
     headers += [col for _, col in PARAMS] + ["Wall time (min)"]
     rows = []
-    for rec in df.to_dict("records"):
-        method = f"{rec['Method']} (reference)" if rec["Reference"] else str(rec["Method"])
+    for rec, label in zip(df.to_dict("records"), _method_labels(df)):
+        method = f"{label} (reference)" if rec["Reference"] else label
         row = [method, str(rec["Model"]), str(rec["Profile"]), str(rec["Tasks"]), str(rec["Runs"])]
         row += [_score_cell(rec[f"{stem} mean"], rec[f"{stem} std"]) for _, stem in SCORES]
         row += [humanise(rec[col]) for _, col in PARAMS]
@@ -186,6 +189,19 @@ def _display_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
         row.append(MISSING if pd.isna(wall) else f"{wall:.1f}")
         rows.append(row)
     return headers, rows
+
+
+def _method_labels(df: pd.DataFrame) -> list[str]:
+    """The method's name, followed by "(key=value, ...)" for the arguments that
+    differ between the rows of that method (none when it has one argument set)."""
+    args = [json.loads(a) for a in df["Args"]]
+    labels = []
+    for method, own in zip(df["Method"], args):
+        others = [a for m, a in zip(df["Method"], args) if m == method]
+        keys = sorted({k for a in others for k in set(a) | set(own) if a.get(k) != own.get(k)})
+        shown = ", ".join(f"{k}={own.get(k)}" for k in keys)
+        labels.append(f"{method} ({shown})" if shown else str(method))
+    return labels
 
 
 def format_table(df: pd.DataFrame, fmt: str = "md") -> str:

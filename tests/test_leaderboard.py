@@ -16,7 +16,7 @@ B124 = 1_235_814_400  # -> "1.24B"
 
 
 def make_run(run_id, method="seqft", seed=1, last=40.0, stage=60.0, bwt=-10.0, total_s=600.0,
-             status="complete", reference=False, model="smollm2-135m", tasks=ORDER, params=None):
+             status="complete", reference=False, model="smollm2-135m", tasks=ORDER, params=None, args=None):
     """A minimal valid schema-1 record."""
     if params is None:
         params = [
@@ -25,7 +25,7 @@ def make_run(run_id, method="seqft", seed=1, last=40.0, stage=60.0, bwt=-10.0, t
              "experts_per_layer": None},
         ]
     return {
-        "schema_version": 1, "run_id": run_id, "status": status, "method": method, "method_args": {},
+        "schema_version": 1, "run_id": run_id, "status": status, "method": method, "method_args": args or {},
         "reference": reference, "model": {"id": model}, "profile": "cpu", "tasks": list(tasks), "seed": seed,
         "matrix": [[None] * len(tasks)] * len(tasks),
         "summary": {"last_acc": last, "stage_acc": stage, "bwt": bwt, "fwt": None, "forgetting": None},
@@ -260,3 +260,18 @@ def test_nulls_everywhere_render_as_dashes(tmp_path):
     df = build_table(load_runs(tmp_path))
     cells = [c.strip() for c in format_table(df, "md").strip().splitlines()[-1].strip("|").split("|")]
     assert cells[5:] == ["–"] * 8
+
+
+def test_a_sweep_gives_one_row_per_argument_set_labelled_by_what_differs(tmp_path):
+    d = tmp_path / "runs"
+    for i, lam in enumerate([100.0, 1000.0]):
+        for seed in (1, 2):
+            write(d, make_run(f"ewc-{i}-{seed}", method="ewc", seed=seed, last=10.0 * (i + 1) + seed,
+                              args={"lambda_ewc": lam, "lr": 1e-5}))
+    write(d, make_run("seqft-a", args={"lr": 1e-5}))
+    df = build_table(load_runs(d))
+    assert len(df) == 3 and df["Runs"].tolist() == [1, 2, 2]  # seqft (40) first by Last Acc
+    md = format_table(df, "md")
+    assert "| ewc (lambda_ewc=1000.0) " in md and "| ewc (lambda_ewc=100.0) " in md
+    assert "| seqft " in md  # one argument set: the bare name
+    assert "21.5" in md  # mean of 21, 22 for lambda 1000
