@@ -168,4 +168,4 @@ def test_leaderboard_command_reads_real_runs(trace_dir, tmp_path, capsys):
     assert "| seqft" in shown and "| replay" in shown
     assert "old" not in readme.read_text() and "| replay" in readme.read_text()
     assert run_cli("leaderboard", "--runs", out, "--format", "csv") == 0
-    assert capsys.readouterr().out.startswith("Method,Model")
+    assert capsys.readouterr().out.startswith("Method,Args,Model")

@@ -1,0 +1,333 @@
+"""bilevel-cka on the tiny Llama (2 layers, width 64, FFN 128: K = 8 slices of h = 16):
+the straight-through mask, the supernet, the clones' training, the CKA gradient, the
+outer step, Expand / Recycle, and end-to-end runs."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from cl_bench import registry, results
+from cl_bench.config import ReplayConfig, RunConfig
+from cl_bench.errors import UserError
+from cl_bench.method import MethodContext, Stage
+from cl_bench.methods.bilevel_cka import BilevelCKAArgs, mask_schedule, straight_through_gumbel
+from cl_bench.models import moe
+from cl_bench.models.loading import tiny_llama
+from cl_bench.models.params import params_command
+from conftest import interrupted_run, only_run, run_cli, smoke_args
+
+D, K, h = 64, 8, 16
+PER_EXPERT = 3 * h * D + D + 1  # gate, up, down + router row and bias
+
+
+def make(**args):
+    """The method after task 0 on the tiny Llama, its experts and rows moved off
+    their slices (a trained look), and the stage of task 1 begun."""
+    cls = registry.get("bilevel-cka")
+    method = cls(cls.parse_args({"lr": 1e-2, **args}), context=None)
+    model, _, _ = tiny_llama(0)
+    method.setup(model)
+    method.before_task(Stage(0, [], "task 0"))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    method.after_task(Stage(0, [], "task 0"))
+    return method, model
+
+
+def batch(seed=0):
+    ids = torch.randint(3, 259, (2, 12), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0  # right padding, as the collator makes
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def logits(model, b, method=None, pi=None):
+    if pi is not None:
+        method._set_masks(pi)
+    with torch.no_grad():
+        return model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+
+
+def train(method, steps, stage):
+    """`steps` optimiser steps as the backend takes them: task loss, replay loss, step."""
+    optimizer = method.optimizer_for_stage(stage, None)
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss, _ = method.loss(batch(step), step)
+        loss.backward()
+        loss, parts = method.replay_loss(batch(100 + step), step)
+        loss.backward()
+        optimizer.step()
+    return optimizer, parts
+
+
+def clone_params(method):
+    return {f"{i}.{n}": p for i, net in method._task.nets.items() for n, p in net.clones.named_parameters()}
+
+
+# ---- pieces ----------------------------------------------------------------------------
+
+def test_straight_through_mask_is_one_hot_forward_with_gradient_to_the_logits():
+    alpha = torch.randn(2, K, 2, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    y = straight_through_gumbel(alpha, 1.0, torch.Generator().manual_seed(1))
+    assert set(y.detach().unique().tolist()) <= {0.0, 1.0}
+    assert torch.equal(y.detach().sum(-1), torch.ones(2, K))  # exactly one-hot
+    (y[..., 1] * torch.arange(1.0, 2 * K + 1).reshape(2, K)).sum().backward()
+    assert alpha.grad.abs().min() > 0
+    # the hard sample does not depend on tau (only its gradient does)
+    cold = straight_through_gumbel(alpha.detach(), 0.1, torch.Generator().manual_seed(1))
+    assert torch.equal(cold, y.detach())
+    # the expand side is drawn with probability sigmoid(alpha_e - alpha_r): 0.6 at the prior
+    prior = torch.zeros(20000, 2)
+    prior[:, 1] = math.log(0.6 / 0.4)
+    share = straight_through_gumbel(prior, 5.0, torch.Generator().manual_seed(2))[:, 1].mean()
+    assert float(share) == pytest.approx(0.6, abs=0.02)
+
+
+@pytest.mark.parametrize("steps,every,updates", [(2, 1, 2), (8, 2, 4), (785, 10, 78), (20000, 10, 2000)])
+def test_tau_reaches_its_floor_within_a_task(steps, every, updates):
+    a = BilevelCKAArgs()
+    n, u, rho = mask_schedule(steps, a)
+    assert (n, u) == (every, updates)
+    assert max(a.tau_final, a.tau0 * rho ** u) == pytest.approx(a.tau_final)
+    if steps == 20000:
+        assert rho == a.tau_decay  # enough updates: rho as given
+    else:
+        assert rho < a.tau_decay  # derived from the step count
+    assert mask_schedule(8, BilevelCKAArgs(min_mask_updates=0))[:2] == (10, 0)  # N kept: no update
+    assert mask_schedule(None, a) == (10, None, 0.995)
+
+
+def test_the_supernet_is_the_pre_task_model_with_masks_at_zero_while_clones_train():
+    method, model = make(mask_every=1000)
+    b = batch(7)
+    before = logits(model, b)
+    stage = Stage(1, [], "task 1")
+    method.before_task(stage)
+    ones, zeros = torch.ones(2, K), torch.zeros(2, K)
+    torch.testing.assert_close(logits(model, b, method, zeros), before, rtol=0, atol=1e-6)
+    torch.testing.assert_close(logits(model, b, method, ones), before, rtol=0, atol=1e-6)  # clones = copies
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"model.layers.{i}.mlp.clones.{p}" for i in range(2)
+                         for p in ("gate", "up", "down", "router_weight", "router_bias")}
+
+    old = {n: p.detach().clone() for n, p in model.named_parameters()}
+    start = {n: p.detach().clone() for n, p in clone_params(method).items()}
+    train(method, 4, stage)
+    moved = {n for n, p in clone_params(method).items() if not torch.equal(p, start[n])}
+    assert moved == set(start)  # every clone tensor (experts and rows) of both layers trained
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, old[n])}
+    assert changed == trainable  # nothing else moved
+    torch.testing.assert_close(logits(model, b, method, zeros), before, rtol=0, atol=1e-6)
+    assert not torch.allclose(logits(model, b, method, ones), before, atol=1e-4)
+
+
+@pytest.mark.parametrize("args", [{"train_shared": True}, {"shared": "add"}])
+def test_the_cka_reference_is_the_pre_task_model_when_more_than_the_clones_trains(args):
+    """With attention etc. (train_shared) or the routed scale (shared=add) training, masks
+    at 0 are no longer the old model: the reference puts back their pre-task values."""
+    method, model = make(**args)
+    b = batch(3)
+    with method._capture() as feats, torch.no_grad():
+        model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+    before = method._tokens(feats[1], b)  # layer 1's output, non-pad tokens
+    stage = Stage(1, [], "task 1")
+    method.before_task(stage)
+    assert method._task.snapshot
+    train(method, 3, stage)
+    method._set_masks(torch.zeros(2, K))
+    with method._capture() as feats, torch.no_grad():
+        model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+    assert not torch.allclose(method._tokens(feats[1], b), before, atol=1e-4)  # masks at 0 alone: moved
+    torch.testing.assert_close(method._reference_features(b)[1], before, rtol=0, atol=1e-5)
+
+
+def test_the_cka_term_carries_gradient_to_the_clones():
+    grads = {}
+    for lam in (1.0, 0.0):
+        method, model = make(mask="off", lambda_replay=0.0, lambda_cka=lam)  # off: every slot is a clone
+        method.before_task(Stage(1, [], "task 1"))
+        with torch.no_grad():
+            for p in clone_params(method).values():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+        method.loss(batch(0), 0)
+        loss, parts = method.replay_loss(batch(1), 0)
+        assert 0 < parts["cka"] < 1 and parts["cka_loss"] == pytest.approx(1 - parts["cka"])
+        loss.backward()
+        if lam:
+            grads = {n: p.grad for n, p in clone_params(method).items()}
+        else:  # lambda_cka=0 and lambda_replay=0: the replay batch trains nothing
+            assert all(not p.grad.any() for p in clone_params(method).values())
+    # CKA is on layer 1's output: the clones of both layers feed it
+    for name in ("0.gate", "0.down", "1.up", "1.router_weight"):
+        assert grads[name] is not None and grads[name].abs().sum() > 0, name
+
+
+def test_outer_step_updates_the_mask_logits_and_tau():
+    method, model = make(mask_every=2)
+    stage = Stage(1, [], "task 1")
+    method.before_task(stage)
+    task = method._task
+    start = task.logits.detach().clone()
+    torch.testing.assert_close(start[..., 1] - start[..., 0], torch.full((2, K), math.log(1.5)))
+    _, parts = train(method, 1, stage)
+    assert "mask_loss" not in parts and torch.equal(task.logits, start)  # step 0: not yet
+    for p in model.parameters():
+        p.grad = None
+    method.loss(batch(5), 1)
+    _, parts = method.replay_loss(batch(6), 1)
+    assert all(p.grad is None for p in model.parameters())  # the outer step leaves the model's gradients alone
+    assert {"mask_loss", "mask_replay", "mask_gain", "mask_balance", "mask_rate", "tau"} <= set(parts)
+    assert parts["mask_loss"] == pytest.approx(parts["mask_replay"] - 0.35 * parts["mask_gain"]
+                                               + 0.4 * parts["mask_balance"], rel=1e-5)
+    assert not torch.equal(task.logits, start) and task.logits.grad is None
+    assert task.updates == 1 and parts["tau"] == pytest.approx(5.0 * 0.995)
+
+    random_init, _ = make(mask_init="random")
+    random_init.before_task(Stage(1, [], "task 1"))
+    assert random_init._task.logits.detach().std() > 0
+
+
+def test_expand_adds_one_expert_and_an_aligned_row_per_decision_and_recycle_none():
+    method, model = make()
+    stage = Stage(1, [], "task 1")
+    method.before_task(stage)
+    optimizer, _ = train(method, 2, stage)
+    with torch.no_grad():
+        method._task.logits.zero_()
+        method._task.logits[0, [1, 4], 1] = 1.0  # layer 0: slots 1 and 4 expand; layer 1: all recycle
+    clones = {i: {n: p.detach().clone() for n, p in net.clones.named_parameters()}
+              for i, net in method._task.nets.items()}
+    total = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in clone_params(method).values())
+    old_experts = [e[0].detach().clone() for e in moe.moe_layers(model)[0].experts()]
+    method.after_task(stage)
+
+    report = method.param_report()
+    assert report["decisions"] == [[0, 1, 0, 0, 1, 0, 0, 0], [0] * K]
+    assert report["experts_added"] == 2 and report["expansion_rate"] == pytest.approx(2 / 16)
+    assert report["experts_per_layer"] == moe.experts_per_layer(model) == [10, 8]
+    assert report["total"] == total + 2 * PER_EXPERT  # growth = the decisions
+    layer0, layer1 = moe.moe_layers(model)
+    assert layer1.group_sizes() == [8]  # recycle: nothing kept
+    new = layer0.groups[-1]
+    assert new.slots.tolist() == [1, 4]
+    for j, slot in enumerate([1, 4]):  # the trained clone and its trained row
+        for name in ("gate", "up", "down", "router_weight", "router_bias"):
+            torch.testing.assert_close(getattr(new, name)[j], clones[0][name][slot], rtol=0, atol=0)
+    for e, gate in enumerate(old_experts):  # the old experts stay
+        assert torch.equal(layer0.experts()[e][0], gate)
+    # row e scores expert e: make each new row dominate and route
+    x = torch.randn(5, D, generator=torch.Generator().manual_seed(0))
+    for j, e in enumerate((8, 9)):
+        with torch.no_grad():
+            for g in layer0.groups:
+                g.router_bias.zero_()
+                g.router_weight.zero_()
+            new.router_bias[j] = 30.0
+        _, weights, indices = layer0.route(x)
+        assert (indices[:, 0] == e).all()
+        out = layer0.experts_forward(x, weights, indices)  # weight ~1 on expert e
+        gate, up, down = (clones[0][name][[1, 4][j]] for name in ("gate", "up", "down"))
+        want = (torch.nn.functional.silu(x @ gate.T) * (x @ up.T)) @ down.T  # the clone of slot 1 / 4
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    # the expanded experts are now the active ones of their slots, and the next supernet clones them
+    assert method._active[0] == [0, 8, 2, 3, 9, 5, 6, 7] and method._active[1] == list(range(K))
+    live = {id(p) for p in model.parameters()}
+    assert all(id(p) in live for g in optimizer.param_groups for p in g["params"])  # clones pruned
+    assert all(id(p) in live for p in optimizer.state)
+    method.before_task(Stage(2, [], "task 2"))
+    torch.testing.assert_close(method._task.nets[0].clones.gate[1], layer0.groups[-1].gate[0], rtol=0, atol=0)
+
+
+def test_mask_off_expands_every_slot():
+    method, model = make(mask="off")
+    stage = Stage(1, [], "task 1")
+    method.before_task(stage)
+    assert method._task.logits is None
+    train(method, 2, stage)
+    method.after_task(stage)
+    report = method.param_report()
+    assert report["expansion_rate"] == 1.0 and report["experts_per_layer"] == [16, 16]
+    assert report["experts_added"] == 16 and report["expand_prob"] is None
+
+
+def test_only_candidate_layers_get_a_supernet():
+    method, model = make(mask="off", candidate_layers=[1])
+    stage = Stage(1, [], "task 1")
+    method.before_task(stage)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        f"model.layers.1.mlp.clones.{p}" for p in ("gate", "up", "down", "router_weight", "router_bias")}
+    train(method, 1, stage)
+    method.after_task(stage)
+    assert moe.experts_per_layer(model) == [8, 16] and method.param_report()["decisions"] == [[1] * K]
+
+
+def test_arguments_and_settings_are_checked():
+    cls = registry.get("bilevel-cka")
+    with pytest.raises(UserError, match="mask='maybe'"):
+        cls.parse_args({"mask": "maybe"})
+    with pytest.raises(UserError, match="tau_final"):
+        cls.parse_args({"tau_final": 10.0})
+    ctx = MethodContext(RunConfig(replay=ReplayConfig(policy="epoch")), torch.device("cpu"), None)
+    with pytest.raises(UserError, match="replay.policy=interleave"):
+        cls(cls.parse_args({}), ctx)
+    method = cls(cls.parse_args({"candidate_layers": [0, 5]}), None)
+    with pytest.raises(UserError, match="candidate_layers"):
+        method.setup(tiny_llama(0)[0])
+
+
+def test_params_command_reports_the_upper_bound_on_llama_3_2_1b():
+    rows = params_command("llama-3.2-1b", "bilevel-cka", 6)
+    upcycle = params_command("llama-3.2-1b", "upcycle", 6)
+    assert [r["total"] for r in rows] == [r["total"] for r in upcycle]  # every decision Expand
+    assert [r["experts_per_layer"] for r in rows] == [[8 * (t + 1)] * 16 for t in range(6)]
+    assert all(r["bound"].startswith("upper") for r in rows)
+    assert rows[1]["trainable"] == upcycle[1]["trainable"]  # clones + rows = one group + rows
+
+
+# ---- end to end ---------------------------------------------------------------------
+
+def test_smoke_run_records_decisions_and_resumes_to_the_same_run(trace_dir, tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    assert run_cli(*smoke_args(trace_dir, straight, "--method", "bilevel-cka")) == 0
+    record = json.loads((only_run(straight) / "run.json").read_text())
+    assert record["status"] == "complete" and record["uses_replay"] and record["replay"]["used"] > 0
+    params = record["params"]
+    assert params[0]["expansion_rate"] is None and params[0]["experts_per_layer"] == [8, 8]
+    for prev, p in zip(params, params[1:]):
+        assert len(p["decisions"]) == 2 and all(len(row) == K for row in p["decisions"])
+        assert p["experts_added"] == sum(map(sum, p["decisions"]))
+        assert p["expansion_rate"] == pytest.approx(p["experts_added"] / 16)
+        assert p["total"] - prev["total"] == p["experts_added"] * PER_EXPERT
+        assert len(p["cka_before"]) == len(p["cka_after"]) == len(p["cka_final"]) == 1
+        s = p["mask_schedule"]  # smoke: 2 steps a task -> an outer step each, tau down to 0.1
+        assert (s["steps"], s["mask_every"], s["updates"]) == (2, 1, 2)
+        assert s["tau_end"] == pytest.approx(0.1)
+    rows = results.read_jsonl(only_run(straight) / "metrics.jsonl")
+    later = [r for r in rows if r["stage"] >= 1]
+    assert all({"lm", "lb", "expand", "replay_lm", "replay_cka", "replay_cka_1", "replay_mask_loss",
+                "replay_mask_gain", "replay_mask_balance", "replay_tau"} <= set(r) for r in later)
+
+    broken = tmp_path / "broken"
+    run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, broken, "--method", "bilevel-cka"),
+                              at_stage=2)
+    assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
+    resumed = json.loads((run_dir / "run.json").read_text())
+    assert resumed["status"] == "complete"
+    assert resumed["matrix"] == record["matrix"] and resumed["params"] == record["params"]
+    assert results.read_jsonl(run_dir / "metrics.jsonl") == rows
+
+
+def test_smoke_run_with_the_mask_off_expands_everything(trace_dir, tmp_path):
+    out = tmp_path / "off"
+    assert run_cli(*smoke_args(trace_dir, out, "--method", "bilevel-cka", "--method-arg", "mask=off")) == 0
+    record = json.loads((only_run(out) / "run.json").read_text())
+    assert [p["expansion_rate"] for p in record["params"]] == [None, 1.0, 1.0]
+    assert [p["experts_per_layer"] for p in record["params"]] == [[8, 8], [16, 16], [24, 24]]
