@@ -121,10 +121,11 @@ def cmd_list(args) -> int:
 def cmd_leaderboard(args) -> int:
     from cl_bench import leaderboard
 
-    table = leaderboard.build_table(leaderboard.load_runs(args.runs))
+    table = leaderboard.build_table(leaderboard.load_runs(args.runs, args.exclude))
     print(leaderboard.format_table(table, args.format), end="")
     if args.update_readme:
-        leaderboard.update_readme(args.update_readme, leaderboard.format_table(table, "md"))
+        leaderboard.update_readme(args.update_readme, leaderboard.format_table(table, "md"),
+                                  f"<!-- {args.section}:begin -->", f"<!-- {args.section}:end -->")
     return 0
 
 
@@ -222,7 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=Path, default=Path("results"), help="folder of run folders")
     p.add_argument("--format", choices=["md", "csv", "latex"], default="md")
     p.add_argument("--update-readme", type=Path, metavar="README",
-                   help="also write the Markdown table between the leaderboard markers of README")
+                   help="also write the Markdown table between the section's markers of README")
+    p.add_argument("--section", default="leaderboard",
+                   help="README markers <!-- SECTION:begin --> / <!-- SECTION:end --> (default leaderboard)")
+    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="skip run folders matching GLOB, relative to --runs (repeatable), e.g. 'sweeps/*'")
     p = sub.add_parser("score", help="score predictions made elsewhere")
     p.add_argument("--task", required=True, help="TRACE task name, e.g. 20Minuten")
     p.add_argument("--predictions", type=Path, required=True,

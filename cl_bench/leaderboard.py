@@ -43,8 +43,9 @@ COLUMNS = (
 )
 
 
-def load_runs(runs_dir: Path) -> list[dict]:
-    """Every complete run under runs_dir (recursive), parsed, sorted by path.
+def load_runs(runs_dir: Path, exclude: list[str] = ()) -> list[dict]:
+    """Every complete run under runs_dir (recursive), parsed, sorted by path,
+    except run folders matching a glob of `exclude` (relative to runs_dir).
 
     Each returned dict gains "_path" (the run.json it came from) so later errors
     can name the file. Incomplete runs are skipped with a warning.
@@ -52,7 +53,8 @@ def load_runs(runs_dir: Path) -> list[dict]:
     runs_dir = Path(runs_dir)
     if not runs_dir.is_dir():
         raise UserError(f"runs directory {runs_dir} does not exist; pass the folder holding <run-id>/run.json")
-    paths = sorted(runs_dir.rglob("run.json"))
+    paths = [p for p in sorted(runs_dir.rglob("run.json"))
+             if not any(p.parent.relative_to(runs_dir).match(g) for g in exclude)]
     if not paths:
         raise UserError(f"no run.json found under {runs_dir}; run `cl-bench run` first or point at the right folder")
     runs, skipped = [], []

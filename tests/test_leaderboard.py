@@ -275,3 +275,11 @@ def test_a_sweep_gives_one_row_per_argument_set_labelled_by_what_differs(tmp_pat
     assert "| ewc (lambda_ewc=1000.0) " in md and "| ewc (lambda_ewc=100.0) " in md
     assert "| seqft " in md  # one argument set: the bare name
     assert "21.5" in md  # mean of 21, 22 for lambda 1000
+
+
+def test_exclude_skips_matching_run_folders(tmp_path):
+    d = tmp_path / "runs"
+    write(d, make_run("seqft-a"))
+    write(d / "sweeps", make_run("ewc-x", method="ewc"))
+    assert [r["method"] for r in load_runs(d, ["sweeps/*"])] == ["seqft"]
+    assert len(load_runs(d)) == 2
