@@ -1,0 +1,510 @@
+"""CaRE on the tiny Llama (2 layers, width 64): prompt pooling in each kind of forward,
+the KV cache, the routing pieces by hand, pseudo-labels, what trains and what stays,
+the anchored shared adapter, the stage records, and end-to-end runs."""
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cl_bench import registry, results
+from cl_bench.config import resolve
+from cl_bench.data import IGNORE, Encoder, collate
+from cl_bench.errors import UserError
+from cl_bench.generation import greedy_generate
+from cl_bench.method import MethodContext, Stage
+from cl_bench.methods.care import (_key, entropy, kmeans, lr_factor, perceiver_loss, select_routers,
+                                   top_k_softmax)
+from cl_bench.models.loading import tiny_llama
+from cl_bench.models.params import schedule_report
+from cl_bench.prompt_pool import DECODE, POOL, PromptPool, masked_mean, prompt_mask
+from conftest import interrupted_run, only_run, run_cli, smoke_args
+
+D, G = 64, 8
+
+
+# ---- helpers ------------------------------------------------------------------------
+
+def _task(name: str, make) -> SimpleNamespace:
+    examples = [SimpleNamespace(prompt=p, answer=a, index=i) for i, (p, a) in enumerate(make(i) for i in range(12))]
+    return SimpleNamespace(name=name, train=examples[:8], test=examples[8:])
+
+
+TASKS = [
+    _task("math", lambda i: (f"Solve.\nQuestion:\n{i} plus {i % 3}?\nAnswer:", str(i + i % 3))),
+    _task("code", lambda i: (f"<s> def f{i}(x):<EOL> y = x * {i}<EOL>", f"return y + {i % 4}")),
+    _task("german", lambda i: (f"Vereinfache:\nDer Hund {i} lief nach Hause {i % 5}.\nEinfach:", f"Hund {i}.")),
+]
+
+
+def make(n_tasks: int = 3, **args):
+    """CaRE on the tiny Llama with the smoke profile's config and TASKS, set up."""
+    model, tokenizer, _ = tiny_llama(0)
+    config = resolve("smoke", None, {"method": "care"})
+    ctx = MethodContext(config=config, device=torch.device("cpu"), tokenizer=tokenizer,
+                        all_tasks=TASKS[:n_tasks])
+    cls = registry.get("care")
+    method = cls(cls.parse_args(args), ctx)
+    torch.manual_seed(0)
+    method.setup(model)
+    return method, model
+
+
+def stage(t: int) -> Stage:
+    return Stage(t, [TASKS[t]], TASKS[t].name)
+
+
+def batch_of(method, task, split="train") -> dict[str, torch.Tensor]:
+    enc = Encoder.from_config(method.ctx.tokenizer, method.ctx.config.train)
+    return collate([enc.train_example(e.prompt, e.answer) for e in getattr(task, split)],
+                   method.ctx.tokenizer.pad_token_id)
+
+
+def grow(method, n: int) -> None:
+    """Begin tasks 0..n-1 without training, then give every adapter a live scale, so
+    each expert and the shared adapter contribute (a trained look)."""
+    for t in range(n):
+        method.before_task(stage(t))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in method.layers:
+            for adapter in [layer.shared, *(t.expert for t in layer.triplets)]:
+                adapter.scale.copy_(torch.randn(D, generator=g))
+            for t in layer.triplets:  # perceivers that are not near-uniform
+                t.perceiver_norm.weight.copy_(1 + 0.5 * torch.randn(D, generator=g))
+                t.perceiver.weight.mul_(20)
+
+
+def train(method, st: Stage, steps: int, optimizer=None):
+    """`steps` optimiser steps as the backend takes them, on the stage's training batch."""
+    optimizer = method.optimizer_for_stage(st, optimizer)
+    b = batch_of(method, st.tasks[0])
+    method.model.train()
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss, parts = method.loss(b, step)
+        loss.backward()
+        method.before_step(step)
+        optimizer.step()
+        method.after_step(step)
+    return optimizer, parts
+
+
+def snapshot(module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def left_pad(prompts: list[list[int]], pad: int):
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p)
+        mask[r, width - len(p):] = 1
+    return ids, mask
+
+
+# ---- prompt pooling ---------------------------------------------------------------------
+
+def test_prompt_mask_keeps_prompt_tokens_and_drops_position_zero():
+    # training rows: prompt (-100), answer, right padding
+    attn = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]])
+    labels = torch.tensor([[-100, -100, -100, 5, 6, -100], [-100, 7, 8, 2, -100, -100]])
+    assert prompt_mask(attn, labels).int().tolist() == [[0, 1, 1, 0, 0, 0],
+                                                        [1, 0, 0, 0, 0, 0]]  # one-token prompt: kept
+    assert prompt_mask(attn, labels, skip_first=False).int().tolist() == [[1, 1, 1, 0, 0, 0],
+                                                                          [1, 0, 0, 0, 0, 0]]
+    # prefill: left padding, every attended token is prompt, the first attended one dropped
+    attn = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert prompt_mask(attn).int().tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 1, 1]]
+    # a row without prompt tokens pools its attended ones
+    assert prompt_mask(torch.tensor([[1, 1, 1]]), torch.tensor([[4, 5, 6]])).int().tolist() == [[0, 1, 1]]
+    x = torch.arange(12.0).reshape(1, 3, 4).repeat(2, 1, 1)
+    pooled = masked_mean(x, torch.tensor([[0, 1, 1], [0, 0, 0]]).bool())
+    assert pooled.dtype == torch.float32
+    assert pooled.tolist() == [[6.0, 7.0, 8.0, 9.0], [0.0] * 4]
+
+
+def test_the_pre_hook_tells_training_prefill_and_decode_apart():
+    model, _, _ = tiny_llama(0)
+    pool = PromptPool()
+    pool.install(model)
+    ids = torch.randint(3, 259, (2, 6))
+    labels = ids.clone()
+    labels[:, :3] = IGNORE
+    model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
+    assert pool.kind == POOL and pool.mask.int().tolist() == [[0, 1, 1, 0, 0, 0]] * 2
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
+    assert pool.kind == POOL and pool.mask.int().tolist() == [[0, 1, 1, 1, 1, 1]] * 2
+    mask = torch.ones(2, 7, dtype=torch.long)
+    model(input_ids=ids[:, :1], attention_mask=mask, use_cache=True, cache=out.cache)
+    assert pool.kind == DECODE and pool.mask is None
+    with pytest.raises(ValueError, match="chunked prefill"):
+        model(input_ids=ids[:, :2], attention_mask=torch.ones(2, 9, dtype=torch.long), use_cache=True,
+              cache=out.cache)
+
+
+def test_routing_pools_the_prompt_only_and_matches_the_prefill():
+    method, model = make()
+    grow(method, 3)
+    model.eval()
+    b = batch_of(method, TASKS[1])
+    answer = b["labels"] != IGNORE
+
+    def routing(batch):
+        with torch.no_grad():
+            method._forward(batch, None)
+        return [layer.routing.clone() for layer in method.layers]  # L x (B, n)
+
+    base = routing(b)
+    assert base[1].shape == (8, 3) and base[1].std() > 0
+    other = {k: v.clone() for k, v in b.items()}
+    other["input_ids"][answer] = (b["input_ids"][answer] + 17) % 250 + 3  # different answers
+    other["labels"] = torch.where(answer, other["input_ids"], b["labels"])
+    for x, y in zip(base, routing(other)):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)  # answers never enter the pool
+    changed = {k: v.clone() for k, v in b.items()}
+    changed["input_ids"][:, 3] = (b["input_ids"][:, 3] + 17) % 250 + 3  # a prompt token
+    assert not torch.allclose(routing(changed)[1], base[1])
+
+    # the same prompts alone, left padded as the decoder prefills them: the same routing
+    enc = Encoder.from_config(method.ctx.tokenizer, method.ctx.config.train)
+    ids, mask = left_pad([enc.prompt_ids(e.prompt) for e in TASKS[1].train], 0)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+              use_cache=True)
+    for x, layer in zip(base, method.layers):
+        torch.testing.assert_close(layer.routing, x, rtol=0, atol=1e-5)
+
+
+def test_same_logits_with_and_without_the_kv_cache_under_left_padding():
+    method, model = make()
+    grow(method, 3)
+    model.eval()
+    enc = Encoder.from_config(method.ctx.tokenizer, method.ctx.config.train)
+    prompts = [enc.prompt_ids(TASKS[j].test[0].prompt) for j in range(3)]
+    g = torch.Generator().manual_seed(3)
+    cont = torch.randint(3, 259, (3, 4), generator=g)  # tokens fed after the prompts
+    ids, mask = left_pad(prompts, 0)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        cached = [out.logits[:, -1]]
+        cache = out.cache
+        for s in range(cont.shape[1]):
+            mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], dim=1)
+            out = model(input_ids=cont[:, s:s + 1], attention_mask=mask, position_ids=pos[:, -1:] + s + 1,
+                        use_cache=True, cache=cache)
+            cache = out.cache
+            cached.append(out.logits[:, -1])
+        # one full forward over prompt + continuation: labels mark the prompt (-100)
+        full_ids = torch.cat([ids, cont], dim=1)
+        labels = torch.cat([torch.full_like(ids, IGNORE), cont], dim=1)
+        full = model(input_ids=full_ids, attention_mask=mask, labels=labels,
+                     position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    width = ids.shape[1]
+    torch.testing.assert_close(torch.stack(cached, 1), full[:, width - 1:], rtol=0, atol=1e-5)
+
+    # and the harness's decoder agrees with unpadded full forwards of its own outputs
+    generated = greedy_generate(model, prompts, 5, eos_id=-1, pad_id=0, batch_size=3)
+    for p, gen in zip(prompts, generated):
+        row = torch.tensor([p + gen])
+        with torch.no_grad():
+            logits = model(input_ids=row, labels=torch.tensor([[IGNORE] * len(p) + gen])).logits
+        assert logits[0, len(p) - 1:-1].argmax(-1).tolist() == gen
+
+
+def test_a_decode_step_needs_a_prefill_first():
+    method, model = make()
+    grow(method, 2)
+    model.eval()
+    for layer in method.layers:
+        layer.routing = None
+    ids = torch.randint(3, 259, (2, 5))
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="no prompt mask"):  # a submodule alone: no pool set
+            model.base_model(input_ids=ids, use_cache=True)
+        method.control.bypass = True
+        cache = model.base_model(input_ids=ids, use_cache=True).cache  # no routing made
+        method.control.bypass = False
+        with pytest.raises(RuntimeError, match="without a prefill"):
+            model(input_ids=ids[:, :1], attention_mask=torch.ones(2, 6, dtype=torch.long), use_cache=True,
+                  cache=cache)
+
+
+# ---- routing pieces by hand ------------------------------------------------------------
+
+def test_router_selection_by_lowest_entropy_and_forced_in_training():
+    h = torch.tensor([[0.9, 0.2, 0.5, 0.1], [0.3, 0.4, 0.1, 2.0]])
+    assert select_routers(h, None, 2).tolist() == [[0, 1, 0, 1], [1, 0, 1, 0]]
+    assert select_routers(h, None, 9).tolist() == [[1, 1, 1, 1]] * 2
+    # training task 3: R_3 plus the lowest-entropy router among 0..2
+    assert select_routers(h, torch.tensor([3, 3]), 2).tolist() == [[0, 1, 0, 1], [0, 0, 1, 1]]
+    # oracle for an earlier task: only routers before it compete; task 0 has none
+    assert select_routers(h, torch.tensor([2, 0]), 2).tolist() == [[0, 1, 1, 0], [1, 0, 0, 0]]
+    assert select_routers(h, torch.tensor([1, 1]), 1).tolist() == [[0, 1, 0, 0]] * 2
+
+
+def test_top_k_router_and_fp32_entropy():
+    p = top_k_softmax(torch.tensor([[1.0, 5.0, 2.0, 4.0, 3.0]]), 3)
+    torch.testing.assert_close(p[0, [1, 3, 4]], torch.tensor([5.0, 4.0, 3.0]).softmax(0))
+    assert float(p[0, [0, 2]].max()) < 1e-40  # -100 logits
+    torch.testing.assert_close(top_k_softmax(torch.tensor([[1.0, 2.0]]), 3), torch.tensor([[1.0, 2.0]]).softmax(-1))
+    low = torch.tensor([[0.3, -1.1, 2.5, 0.0]], dtype=torch.bfloat16)
+    h = entropy(low)
+    assert h.dtype == torch.float32
+    q = low.float().softmax(-1)
+    torch.testing.assert_close(h, -(q * q.log()).sum(-1))
+    assert entropy(torch.zeros(1, G)).item() == pytest.approx(math.log(G))
+
+
+def test_entropies_and_routing_stay_fp32_in_a_bf16_model():
+    method, model = make()
+    grow(method, 2)
+    model.to(torch.bfloat16).eval()
+    b = batch_of(method, TASKS[0])
+    with torch.no_grad():
+        out, records = method._forward(b, None)
+    assert out.logits.dtype == torch.bfloat16 and len(records) == 2
+    for r in records:
+        assert r["entropy"].dtype == r["perceiver"].dtype == torch.float32
+    assert all(layer.routing.dtype == torch.float32 for layer in method.layers)
+
+
+def test_perceiver_loss_by_hand():
+    g = torch.Generator().manual_seed(0)
+    z = [torch.randn(3, G, generator=g).requires_grad_() for _ in range(2)]
+    y = torch.tensor([1, 4, 7])
+    loss, ce, kl = perceiver_loss(z, y, 20.0, [1.0, 2.0])
+    ce0, ce1 = F.cross_entropy(20 * z[0], y), F.cross_entropy(20 * z[1], y)
+    t = z[1].detach()
+    kl0 = (t.softmax(-1) * (t.log_softmax(-1) - z[0].log_softmax(-1))).sum(-1).mean()
+    torch.testing.assert_close(loss, 0.5 * ((ce0 + ce1) / 2 + (kl0 + 0) / 2))
+    torch.testing.assert_close(kl, kl0 / 2)
+    loss.backward()
+    # the last layer is its own (detached) teacher: only its CE reaches it
+    (expect,) = torch.autograd.grad(0.25 * F.cross_entropy(20 * z[1], y), z[1])
+    torch.testing.assert_close(z[1].grad, expect)
+
+
+def test_kmeans_recovers_separated_groups_and_is_seeded():
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(4, 16, generator=g) * 10
+    x = torch.cat([c + 0.1 * torch.randn(10, 16, generator=g) for c in centres])
+    labels, cents = kmeans(x, 4, 50, torch.Generator().manual_seed(1))
+    groups = labels.reshape(4, 10)
+    assert all(len(set(row.tolist())) == 1 for row in groups) and len(set(groups[:, 0].tolist())) == 4
+    assert torch.equal(kmeans(x, 4, 50, torch.Generator().manual_seed(1))[0], labels)
+    assert torch.equal(torch.cdist(x, cents).argmin(1), labels)  # labels = nearest centroid
+    few, c = kmeans(x[:3], 8, 50, torch.Generator().manual_seed(1))
+    assert few.tolist() == [0, 1, 2] and c.shape == (3, 16)
+
+
+def test_lr_warms_up_then_decays_by_cosine():
+    assert [round(lr_factor(s, 100, 0.03), 4) for s in (0, 1, 2, 3)] == [0.3333, 0.6667, 1.0, 1.0]
+    assert lr_factor(51, 100, 0.03) == pytest.approx(0.5, abs=0.02) and lr_factor(99, 100, 0.03) < 1e-3
+    assert lr_factor(0, 2, 0.0) == 1.0
+    method, _ = make()
+    method.before_task(stage(0))
+    assert method._n_steps == 2  # 8 examples, batch 4
+    method._n_steps = 10  # warm-up ceil(0.3) = 1 step, then cosine over 9
+    optimizer = method.optimizer_for_stage(stage(0), None)
+    for step, factor in ((0, 1.0), (1, 1.0), (5, 0.5 * (1 + math.cos(math.pi * 4 / 9)))):
+        method.before_step(step)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(5e-4 * factor)
+
+
+# ---- the model -----------------------------------------------------------------------
+
+def test_setup_starts_as_the_base_model_and_triplets_are_as_the_code_makes_them():
+    method, model = make()
+    base, _, _ = tiny_llama(0)
+    ids = torch.randint(3, 259, (2, 9))
+    blocks = model.model.layers
+    assert isinstance(blocks[0].post_attention_layernorm, torch.nn.Identity)  # moved into the wrapper
+    for t in range(3):
+        method.before_task(stage(t))
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids).logits, base(input_ids=ids).logits,
+                                       rtol=0, atol=1e-6)  # every scale at 0
+    layer = method.layers[0]
+    assert [t.router.out_features for t in layer.triplets] == [1, 2, 3]
+    assert layer.triplets[0].perceiver.out_features == G and layer.shared.down.out_features == 64
+    assert layer.triplets[0].expert.down.out_features == 16
+    assert layer.triplets[0].perceiver_norm.weight.abs().max() < 0.1  # the code's 0.02 gain init
+    grow(method, 3)
+    method.before_task(Stage(3, [], "task 3"))
+    e = [t.expert for t in layer.triplets]
+    for name, p in e[3].named_parameters():  # E_3 = mean(E_0, E_1): the most recent one left out
+        torch.testing.assert_close(p, (e[0].get_parameter(name) + e[1].get_parameter(name)) / 2)
+    assert not torch.equal(e[1].down.weight, e[0].down.weight)  # E_1 starts fresh
+
+
+def test_residual_router_input_reads_z_a_not_the_experts():
+    for router_input, moved in (("expert", True), ("residual", False)):
+        method, model = make(router_input=router_input)
+        grow(method, 2)
+        model.eval()
+        b = batch_of(method, TASKS[0])
+        with torch.no_grad():
+            before = method._forward(b, None)[1][0]["perceiver"]  # layer 0: its z_a has no adapter in it
+            method.layers[0].triplets[1].expert.scale.mul_(3)
+            after = method._forward(b, None)[1][0]["perceiver"]
+        assert (not torch.allclose(before, after)) == moved, router_input
+
+
+def test_pseudo_labels_cluster_the_tasks_prompts_and_label_rows_by_prompt():
+    method, model = make()
+    method.before_task(stage(0))
+    sizes = method.param_report()["pseudo_label_sizes"]
+    assert len(sizes) == G and sum(sizes) == 8
+    b = batch_of(method, TASKS[0])
+    labels = method._batch_labels(b)
+    enc = Encoder.from_config(method.ctx.tokenizer, method.ctx.config.train)
+    assert labels.tolist() == [method._labels[_key(enc.prompt_ids(e.prompt))] for e in TASKS[0].train]
+    # an unseen prompt gets the nearest centroid of its base-model features
+    new = batch_of(method, TASKS[2], "test")
+    got = method._batch_labels(new)
+    feats = F.normalize(method._base_features(new["input_ids"], new["attention_mask"], new["labels"]), dim=-1)
+    assert got.tolist() == torch.cdist(feats, method._centroids).argmin(1).tolist()
+
+
+def test_training_forces_the_current_router_and_logs_its_parts():
+    method, model = make()
+    grow(method, 3)  # task 2 begun
+    b = batch_of(method, TASKS[2])
+    model.train()
+    _, records = method._forward(b, 2)
+    assert all(r["selected"][:, 2].eq(1).all() and r["selected"].sum(1).eq(2).all() for r in records)
+    loss, parts = method.loss(b, 0)
+    assert set(parts) == {"lm", "perceiver", "perceiver_ce", "perceiver_kl", "task_id_acc"}
+    assert loss.item() == pytest.approx(parts["lm"] + parts["perceiver"], rel=1e-5)
+    loss.backward()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {n for n, _ in model.named_parameters()
+                         if ".mlp.shared." in n or ".mlp.triplets.2." in n}
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters()
+               if ".triplets.2.perceiver" in n)
+
+
+def test_earlier_triplets_and_the_base_stay_frozen_in_a_later_task():
+    method, model = make()
+    method.before_task(stage(0))
+    optimizer, _ = train(method, stage(0), 3)
+    method.after_task(stage(0))
+    method.before_task(stage(1))
+    before = snapshot(model)
+    optimizer, parts = train(method, stage(1), 3, optimizer)
+    after = snapshot(model)
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    assert all(".mlp.shared." in n or ".triplets.1." in n for n in moved)  # old triplets, LLM: exactly fixed
+    assert any(".triplets.0." in n for n in before)
+    for part in ("expert.scale", "expert.down.weight", "router.weight", "perceiver.weight", "perceiver_norm.weight"):
+        assert {f"model.layers.{i}.mlp.triplets.1.{part}" for i in range(2)} & moved, part
+    assert any(".mlp.shared." in n for n in moved) and "perceiver_kl" in parts
+
+
+def test_the_shared_adapter_is_free_in_task_0_then_anchored():
+    method, model = make(lr=1e-2)
+    method.before_task(stage(0))
+    optimizer = method.optimizer_for_stage(stage(0), None)
+    b = batch_of(method, TASKS[0])
+
+    def step(s):
+        optimizer.zero_grad(set_to_none=True)
+        method.loss(b, s)[0].backward()
+        method.before_step(s)
+        optimizer.step()
+        stepped = [p.detach().clone() for p in method._shared_params()]
+        method.after_step(s)
+        return stepped
+
+    for s in range(2):
+        stepped = step(s)
+    assert all(torch.equal(p, q) for p, q in zip(method._shared_params(), stepped))  # task 0: no pull
+    method.after_task(stage(0))
+    method.before_task(stage(1))
+    anchor = [p.detach().clone() for p in method._shared_params()]
+    optimizer = method.optimizer_for_stage(stage(1), optimizer)
+    b = batch_of(method, TASKS[1])
+    stepped = step(0)
+    # Ebar - anchor = (1 - 0.999) * (the optimiser's Ebar - anchor)
+    for p, q, a in zip(method._shared_params(), stepped, anchor):
+        torch.testing.assert_close(p - a, 0.001 * (q - a), rtol=1e-3, atol=1e-7)  # fp32 rounding at |a| ~ 1
+    assert all((q - a).abs().max() > 5e-3 for q, a in zip(stepped, anchor))  # a full step each, pulled to 1e-5
+    method.after_task(stage(1))
+    rec = method.param_report()
+    assert 0 < rec["shared_drift"] < 1e-3 and rec["shared_drift_since_task0"] == rec["shared_drift"]
+
+
+def test_stage_records_task_id_accuracy_oracle_gap_and_drift():
+    method, model = make(n_tasks=2)
+    method.before_task(stage(0))
+    optimizer, _ = train(method, stage(0), 2)
+    method.after_task(stage(0))
+    rec = method.param_report()
+    assert rec["task_id_acc"] == [1.0, 1.0] and rec["oracle_gap"] == 0.0  # one triplet: nothing to miss
+    assert rec["shared_drift"] > 0 and rec["shared_drift_since_task0"] is None
+    assert rec["experts_per_layer"] == [1, 1]
+    method.before_task(stage(1))
+    train(method, stage(1), 2, optimizer)
+    method.after_task(stage(1))
+    rec = method.param_report()
+    assert set(rec["task_id_acc_by_task"]) == set(rec["answer_ce"]) == set(rec["answer_ce_oracle"]) == {"math", "code"}
+    assert all(0 <= a <= 1 for a in rec["task_id_acc"]) and len(rec["task_id_acc"]) == 2
+    gaps = [rec["answer_ce"][k] - rec["answer_ce_oracle"][k] for k in rec["answer_ce"]]
+    assert rec["oracle_gap"] == pytest.approx(sum(gaps) / 2, abs=1e-5)
+    assert rec["shared_drift_since_task0"] is not None and rec["experts_per_layer"] == [2, 2]
+    assert sum(rec["pseudo_label_sizes"]) == 8
+
+
+def test_bad_arguments_fail_with_the_field_named():
+    cls = registry.get("care")
+    with pytest.raises(UserError, match="router_input"):
+        cls.parse_args({"router_input": "cls"})
+    with pytest.raises(UserError, match="top_k"):
+        cls.parse_args({"top_k": 0})
+
+
+def test_params_schedule_adds_one_triplet_per_task():
+    rows = schedule_report("tiny-llama", "care", 3)
+    assert [r["experts_per_layer"] for r in rows] == [[1, 1], [2, 2], [3, 3]]
+    expert = D + (D * 16 + 16) + (16 * D + D) + D  # norm, down, up, scale
+    shared = D + (D * 64 + 64) + (64 * D + D) + D
+    perceiver = D + D * G + G
+
+    def triplet(i):
+        return expert + D * (i + 1) + (i + 1) + perceiver
+
+    assert [r["total"] - rows[0]["total"] for r in rows] == [0, 2 * triplet(1), 2 * (triplet(1) + triplet(2))]
+    assert [r["trainable"] for r in rows] == [2 * (shared + triplet(i)) for i in range(3)]
+    # Llama-3.2-1B on the meta device: about 1.5M per task (16 layers, d 2048)
+    big = schedule_report("llama-3.2-1b", "care", 2)
+    d = 2048
+    one = (d + d * 16 + 16 + 16 * d + d + d) + 2 * d + 2 + (d + d * G + G)
+    assert big[1]["total"] - big[0]["total"] == 16 * one
+
+
+# ---- end to end ---------------------------------------------------------------------
+
+def test_smoke_run_and_resume(trace_dir, tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    assert run_cli(*smoke_args(trace_dir, straight, "--method", "care")) == 0
+    record = json.loads((only_run(straight) / "run.json").read_text())
+    assert record["status"] == "complete" and not record["uses_replay"]
+    assert [p["experts_per_layer"] for p in record["params"]] == [[1, 1], [2, 2], [3, 3]]
+    last = record["params"][-1]
+    assert len(last["task_id_acc"]) == 2 and set(last["answer_ce"]) == set(record["tasks"])
+    assert last["shared_drift_since_task0"] is not None
+    rows = results.read_jsonl(only_run(straight) / "metrics.jsonl")
+    assert {"lm", "perceiver_ce", "perceiver_kl", "task_id_acc"} <= set(rows[-1])
+
+    broken = tmp_path / "broken"
+    run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, broken, "--method", "care"), at_stage=2)
+    assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
+    resumed = json.loads((run_dir / "run.json").read_text())
+    assert resumed["matrix"] == record["matrix"] and resumed["params"] == record["params"]
