@@ -1,0 +1,123 @@
+"""Running input covariances, their energy subspaces, and the gradient maps built
+from them (used by SAME, methods/same.py; any method that protects old inputs
+of a linear layer can use them).
+
+C = sum_x x x^T / n, uncentred, over every token added. Its delta-energy
+subspace: the top eigenpairs (lambda_i, v_i), by decreasing lambda, up to the
+smallest k with lambda_1 + .. + lambda_k >= delta * tr C (at most max_rank).
+torch.linalg.eigh for d <= EIGH_MAX_DIM, else a randomized top-(max_rank +
+OVERSAMPLE) decomposition (torch.svd_lowrank), whose top eigenpairs agree with
+eigh's to float rounding on matrices of fast-decaying spectrum (tested).
+
+Two maps on a gradient (or update) G (m, d) of a layer reading x:
+- spectral_projection: G V diag(s) V^T + G (I - V V^T),
+  s_i = max(1 - rho, sqrt(lambda_k / lambda_i)): high-energy directions shrink
+  by at most rho, the rest passes;
+- damped_inverse: G P, P = V (Lambda + mu I)^-1 V^T + mu^-1 (I - V V^T), the
+  damped inverse of C in low-rank form (exact when C has rank k).
+
+Letters: d input width, k kept directions, m rows of G.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+EIGH_MAX_DIM = 4096  # wider covariances: randomized top eigenpairs
+OVERSAMPLE = 16  # extra columns of the randomized decomposition
+
+
+@dataclass
+class Subspace:
+    """The top eigenpairs of an uncentred covariance C, by decreasing eigenvalue."""
+
+    V: torch.Tensor  # (d, k) orthonormal columns
+    lam: torch.Tensor  # (k,) eigenvalues
+    trace: float  # tr C
+    top: float  # lambda_1 (whether or not kept)
+
+    @property
+    def k(self) -> int:
+        return self.V.shape[1]
+
+    def to(self, device) -> "Subspace":
+        return dataclasses.replace(self, V=self.V.to(device), lam=self.lam.to(device))
+
+
+def energy_rank(lam: torch.Tensor, trace: float, delta: float) -> int:
+    """The smallest k with lam_1 + .. + lam_k >= delta * trace (lam decreasing);
+    len(lam) when even all of them fall short (the cap)."""
+    if delta <= 0 or trace <= 0:
+        return 0
+    reached = (lam.cumsum(0) >= delta * trace).nonzero()
+    return int(reached[0]) + 1 if len(reached) else len(lam)
+
+
+def top_subspace(cov: torch.Tensor, delta: float, max_rank: int) -> Subspace:
+    """The delta-energy subspace of the PSD matrix `cov` (d, d), at most max_rank wide."""
+    cov = cov.float()
+    d = cov.shape[0]
+    if d <= EIGH_MAX_DIM:
+        lam, vec = torch.linalg.eigh(cov)  # ascending
+        lam, vec = lam.flip(0)[:max_rank], vec.flip(1)[:, :max_rank]
+    else:
+        vec, lam, _ = torch.svd_lowrank(cov, q=min(d, max_rank + OVERSAMPLE), niter=6)
+        lam, vec = lam[:max_rank], vec[:, :max_rank]
+    lam = lam.clamp(min=0)
+    trace = float(cov.diagonal().sum())
+    k = energy_rank(lam, trace, delta)
+    return Subspace(vec[:, :k].contiguous(), lam[:k].clone(), trace, float(lam[0]) if len(lam) else 0.0)
+
+
+def spectral_projection(g: torch.Tensor, sub: Subspace | None, rho: float) -> torch.Tensor:
+    """G V_par diag(s) V_par^T + G V_perp V_perp^T, s_i = max(1 - rho, sqrt(lam_k / lam_i)).
+    g: (m, d) -> (m, d); the identity when sub is None or k = 0."""
+    if sub is None or sub.k == 0:
+        return g
+    v, lam = sub.V.to(g.device, torch.float32), sub.lam.to(g.device, torch.float32)
+    s = (lam[-1] / lam.clamp(min=1e-30)).sqrt().clamp(min=1 - rho, max=1.0)  # (k,)
+    gf = g.float()
+    return (gf - ((gf @ v) * (1 - s)) @ v.T).to(g.dtype)
+
+
+def damped_inverse(g: torch.Tensor, sub: Subspace, mu: float) -> torch.Tensor:
+    """g P with P = V (Lambda + mu I)^-1 V^T + mu^-1 (I - V V^T). g: (m, d) -> (m, d)."""
+    gf = g.float()
+    out = gf / mu
+    if sub.k:
+        v, lam = sub.V.to(g.device, torch.float32), sub.lam.to(g.device, torch.float32)
+        out = out + ((gf @ v) * (1 / (lam + mu) - 1 / mu)) @ v.T
+    return out.to(g.dtype)
+
+
+class InputCovariance:
+    """Running uncentred covariance sum_x x x^T / n over every token added (fp32)."""
+
+    def __init__(self, dim: int):
+        self.dim = dim
+        self.sum: torch.Tensor | None = None  # (d, d) fp32, allocated on first use
+        self.count = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        """x: (n, d) tokens."""
+        if not len(x):
+            return
+        x = x.float()
+        if self.sum is None:
+            self.sum = torch.zeros(self.dim, self.dim, device=x.device)
+        elif self.sum.device != x.device:
+            self.sum = self.sum.to(x.device)
+        self.sum.addmm_(x.T, x)
+        self.count += len(x)
+
+    def subspace(self, delta: float, max_rank: int) -> Subspace | None:
+        return None if not self.count else top_subspace(self.sum / self.count, delta, max_rank)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sum": self.sum, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sum, self.count = state["sum"], state["count"]
