@@ -1,0 +1,115 @@
+"""`cl-bench analyze RUN_DIR`: a run record turned into figures, PNG files written
+beside it. Each figure is drawn when the record holds its data:
+
+- heatmap.png: the stage x task score matrix (every run).
+- decisions.png: the expansion decision map [layer x slot] per task, Expand in
+  dark (methods whose parameter reports carry "decisions", as bilevel-cka).
+- cka.png: CKA per decoder layer between each earlier task's representation
+  after the last stage and right after that task was learned (the record's
+  "probes", written by runs with eval.cka_probe > 0; cl_bench/probes.py).
+
+Nothing is recomputed from a model: the figures show what the run recorded.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cl_bench.errors import UserError
+from cl_bench.results import RUN_FILE
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def heatmap(record: dict, path: Path) -> Path:
+    import numpy as np
+
+    plt = _pyplot()
+    tasks = record["tasks"]
+    labels = [f"{s['index'] + 1}: {s['label']}" for s in record["stages"]]
+    matrix = np.array([[np.nan if v is None else v for v in row] for row in record["matrix"]], dtype=float)
+    fig, ax = plt.subplots(figsize=(0.9 * len(tasks) + 3.5, 0.6 * len(labels) + 2))
+    image = ax.imshow(matrix, cmap="viridis", vmin=0, vmax=max(1.0, float(np.nanmax(matrix)) if np.isfinite(matrix).any() else 1.0))
+    for (i, j), value in np.ndenumerate(matrix):
+        if np.isfinite(value):
+            ax.text(j, i, f"{value:.1f}", ha="center", va="center", color="white", fontsize=8)
+    ax.set_xticks(range(len(tasks)), tasks, rotation=30, ha="right")
+    ax.set_yticks(range(len(labels)), labels)
+    ax.set_xlabel("task evaluated")
+    ax.set_ylabel("after stage")
+    summary = record.get("summary") or {}
+    parts = [f"{name} {summary[key]:.1f}" for key, name in (("last_acc", "Last Acc"), ("stage_acc", "Stage Acc"),
+                                                          ("bwt", "BWT")) if summary.get(key) is not None]
+    ax.set_title(f"{record['method']} on {record['model']['id']}\n" + " | ".join(parts), fontsize=9)
+    fig.colorbar(image, ax=ax, label="score (0-100)")
+    return _save(fig, path)
+
+
+def decisions(record: dict, path: Path) -> Path | None:
+    plt = _pyplot()
+    rows = [p for p in record.get("params") or [] if p.get("decisions")]
+    if not rows:
+        return None
+    fig, axes = plt.subplots(1, len(rows), figsize=(2.2 * len(rows) + 1, 4), squeeze=False)
+    for ax, row in zip(axes[0], rows):
+        layers = row.get("decision_layers") or list(range(len(row["decisions"])))
+        ax.imshow(row["decisions"], cmap="Greys", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
+        ax.set_title(f"stage {row['stage'] + 1}\nexpand {100 * row.get('expansion_rate', 0):.0f}%", fontsize=9)
+        ax.set_xlabel("slot")
+        step = max(1, len(layers) // 10)
+        ax.set_yticks(range(0, len(layers), step), [layers[i] for i in range(0, len(layers), step)])
+    axes[0][0].set_ylabel("decoder layer")
+    fig.suptitle(f"{record['method']}: Expand (dark) / Recycle (light) per task", fontsize=10)
+    return _save(fig, path)
+
+
+def cka(record: dict, path: Path) -> Path | None:
+    plt = _pyplot()
+    probes = record.get("probes") or {}
+    by_stage = probes.get("cka") or {}
+    if not by_stage:
+        return None
+    last = max(by_stage, key=int)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for task, values in by_stage[last].items():
+        ax.plot(range(len(values)), values, marker=".", label=task)
+    ax.set_xlabel("decoder layer")
+    ax.set_ylabel("CKA with the model right after the task")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"{record['method']}: representations of earlier tasks after stage {int(last) + 1}",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path
+
+
+def analyze(run_dir: Path) -> list[Path]:
+    """Write every figure the record of `run_dir` supports; returns their paths."""
+    record_path = Path(run_dir) / RUN_FILE
+    if not record_path.is_file():
+        raise UserError(f"{record_path} not found; pass a run folder (the one holding run.json)")
+    try:
+        record = json.loads(record_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{record_path}: not valid JSON ({exc})") from exc
+    if not record.get("stages_done"):
+        raise UserError(f"{record_path}: no stage finished yet; nothing to draw")
+    out = [heatmap(record, run_dir / "heatmap.png")]
+    for draw, name in ((decisions, "decisions.png"), (cka, "cka.png")):
+        drawn = draw(record, run_dir / name)
+        if drawn is not None:
+            out.append(drawn)
+    return out

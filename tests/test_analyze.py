@@ -1,0 +1,77 @@
+"""Representation probes and `cl-bench analyze` figures, on the tiny model."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cl_bench.analyze import analyze
+from cl_bench.benchmarks.trace import load_task
+from cl_bench.config import PROFILES, build
+from cl_bench.data import Encoder
+from cl_bench.errors import UserError
+from cl_bench.models.loading import tiny_llama
+from cl_bench.probes import RepresentationProbe
+
+
+@pytest.fixture
+def setup(trace_dir):
+    model, tokenizer, _ = tiny_llama(0)
+    config = build({**PROFILES["smoke"], "profile": "smoke"}, "test")
+    encoder = Encoder.from_config(tokenizer, config.train)
+    tasks = [load_task(trace_dir, name, 4, 4, 0) for name in ("NumGLUE-cm", "Py150")]
+    return model, encoder, tasks
+
+
+def test_probe_stores_a_reference_then_measures_cka_per_layer(setup):
+    model, encoder, tasks = setup
+    probe = RepresentationProbe(n_examples=3, max_tokens=64)
+    assert probe.after_stage(model, encoder, tasks[:1]) == {}  # first sight: reference only
+    same = probe.after_stage(model, encoder, tasks)  # task 0 unchanged; task 1 first seen
+    assert list(same) == ["NumGLUE-cm"] and same["NumGLUE-cm"] == pytest.approx([1.0, 1.0], abs=1e-5)
+    assert probe.references["Py150"][0].shape == (64, 64)  # capped tokens x width
+    with torch.no_grad():  # move the last layer only: layer 0's representation stays
+        for p in model.model.layers[1].parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    moved = probe.after_stage(model, encoder, tasks)
+    for task in ("NumGLUE-cm", "Py150"):
+        assert moved[task][0] == pytest.approx(1.0, abs=1e-5) and moved[task][1] < 0.99
+    restored = RepresentationProbe(n_examples=3, max_tokens=64)
+    restored.load_state_dict(probe.state_dict())
+    assert restored.after_stage(model, encoder, tasks[:1]) == {"NumGLUE-cm": moved["NumGLUE-cm"]}
+
+
+def _record(**extra):
+    return {"method": "bilevel-cka", "model": {"id": "tiny-llama"}, "tasks": ["A", "B"],
+            "stages": [{"index": 0, "label": "A"}, {"index": 1, "label": "B"}],
+            "matrix": [[50.0, None], [40.0, 60.0]], "stages_done": 2,
+            "summary": {"last_acc": 50.0, "stage_acc": 52.5, "bwt": -10.0}, **extra}
+
+
+def _png(path):
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_analyze_draws_what_the_record_holds(tmp_path):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "run.json").write_text(json.dumps(_record()))
+    assert [p.name for p in analyze(plain)] == ["heatmap.png"] and _png(plain / "heatmap.png")
+
+    full = tmp_path / "full"
+    full.mkdir()
+    params = [{"stage": 0, "expansion_rate": None},
+              {"stage": 1, "expansion_rate": 0.5, "decision_layers": [0, 1], "decisions": [[1, 0], [0, 1]]}]
+    probes = {"cka": {"1": {"A": [0.99, 0.7]}}}
+    (full / "run.json").write_text(json.dumps(_record(params=params, probes=probes)))
+    assert [p.name for p in analyze(full)] == ["heatmap.png", "decisions.png", "cka.png"]
+    assert all(_png(full / n) for n in ("heatmap.png", "decisions.png", "cka.png"))
+
+
+def test_analyze_names_a_missing_or_unfinished_record(tmp_path):
+    with pytest.raises(UserError, match="run.json not found"):
+        analyze(tmp_path)
+    (tmp_path / "run.json").write_text(json.dumps({**_record(), "stages_done": 0}))
+    with pytest.raises(UserError, match="no stage finished"):
+        analyze(tmp_path)
