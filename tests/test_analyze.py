@@ -75,3 +75,37 @@ def test_analyze_names_a_missing_or_unfinished_record(tmp_path):
     (tmp_path / "run.json").write_text(json.dumps({**_record(), "stages_done": 0}))
     with pytest.raises(UserError, match="no stage finished"):
         analyze(tmp_path)
+
+
+def test_expert_sharpness_finds_an_eigenpair_of_each_experts_hessian_block(setup):
+    from cl_bench.data import collate
+    from cl_bench.models.moe import upcycle_model
+    from cl_bench.probes import expert_sharpness
+
+    model, encoder, tasks = setup
+    upcycle_model(model, router_std=0.5)
+    model.requires_grad_(False)  # frozen weights must be handled too
+    rows = [encoder.train_example(e.prompt, e.answer) for e in tasks[0].test[:2]]
+    batch = collate(rows, encoder.tokenizer.pad_token_id)
+    out = expert_sharpness(model, batch, iters=30)
+    assert len(out) == 2 * 8 and [r["expert"] for r in out[:8]] == list(range(8))
+    assert sum(r["token_share"] for r in out[:8]) == pytest.approx(1.0)
+    assert not any(p.requires_grad for p in model.parameters())  # flags restored
+    for r in out:
+        if r["token_share"] == 0:  # no token routed to it: no gradient, zero Hessian block
+            assert r["grad_norm"] == 0 and r["top_hessian_eig"] == 0
+        if r["top_hessian_eig"] != 0:
+            assert r["residual"] < 1e-3 * abs(r["top_hessian_eig"])  # converged to an eigenpair
+    assert sum(r["top_hessian_eig"] != 0 for r in out) >= 8
+
+
+def test_lanczos_finds_the_largest_magnitude_eigenvalue_where_power_iteration_stalls():
+    from cl_bench.probes import _lanczos_top
+
+    g = torch.Generator().manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(40, 40, generator=g, dtype=torch.float64))
+    values = torch.linspace(-1.0, 1.0, 40, dtype=torch.float64)
+    values[0], values[-1] = -3.0, 2.9  # a +/- pair of similar size
+    matrix = q @ torch.diag(values) @ q.T
+    eig, residual = _lanczos_top(lambda v: (matrix @ v.double()).float(), torch.randn(40, generator=g), 25)
+    assert eig == pytest.approx(-3.0, rel=1e-4) and residual < 1e-3
