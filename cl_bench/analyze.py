@@ -7,6 +7,9 @@ beside it. Each figure is drawn when the record holds its data:
 - cka.png: CKA per decoder layer between each earlier task's representation
   after the last stage and right after that task was learned (the record's
   "probes", written by runs with eval.cka_probe > 0; cl_bench/probes.py).
+- sharpness.png: per MoE layer, each expert of the newest group after the last
+  stage by gradient norm and by top Hessian eigenvalue, experts that receive
+  under 5% of the routing assignments hollow (runs with eval.sharpness > 0).
 
 Nothing is recomputed from a model: the figures show what the run recorded.
 """
@@ -57,7 +60,7 @@ def decisions(record: dict, path: Path) -> Path | None:
     rows = [p for p in record.get("params") or [] if p.get("decisions")]
     if not rows:
         return None
-    fig, axes = plt.subplots(1, len(rows), figsize=(2.2 * len(rows) + 1, 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(rows), figsize=(max(2.2 * len(rows) + 1, 4), 4.5), squeeze=False)
     for ax, row in zip(axes[0], rows):
         layers = row.get("decision_layers") or list(range(len(row["decisions"])))
         ax.imshow(row["decisions"], cmap="Greys", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
@@ -66,7 +69,7 @@ def decisions(record: dict, path: Path) -> Path | None:
         step = max(1, len(layers) // 10)
         ax.set_yticks(range(0, len(layers), step), [layers[i] for i in range(0, len(layers), step)])
     axes[0][0].set_ylabel("decoder layer")
-    fig.suptitle(f"{record['method']}: Expand (dark) / Recycle (light) per task", fontsize=10)
+    fig.suptitle(f"{record['method']}\nExpand (dark) / Recycle (light)", fontsize=10)
     return _save(fig, path)
 
 
@@ -89,6 +92,33 @@ def cka(record: dict, path: Path) -> Path | None:
     return _save(fig, path)
 
 
+RARE_SHARE = 0.05  # experts under this share of the assignments are marked
+
+
+def sharpness(record: dict, path: Path) -> Path | None:
+    plt = _pyplot()
+    by_stage = (record.get("probes") or {}).get("sharpness") or {}
+    if not by_stage:
+        return None
+    last = max(by_stage, key=int)
+    rows = by_stage[last]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((axes[0], "grad_norm", "gradient norm"),
+                           (axes[1], "top_hessian_eig", "top Hessian eigenvalue")):
+        for rare in (False, True):
+            pts = [r for r in rows if (r["token_share"] < RARE_SHARE) == rare]
+            ax.scatter([r["layer"] for r in pts], [r[key] for r in pts], s=18,
+                       facecolors="none" if rare else "C0", edgecolors="C0",
+                       label=f"token share {'<' if rare else '>='} {RARE_SHARE:.0%}")
+        ax.set_xlabel("decoder layer")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_ylabel(label)
+        ax.set_yscale("symlog", linthresh=1e-3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{record['method']}: sharpness of the newest experts after stage {int(last) + 1}", fontsize=10)
+    return _save(fig, path)
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -108,7 +138,7 @@ def analyze(run_dir: Path) -> list[Path]:
     if not record.get("stages_done"):
         raise UserError(f"{record_path}: no stage finished yet; nothing to draw")
     out = [heatmap(record, run_dir / "heatmap.png")]
-    for draw, name in ((decisions, "decisions.png"), (cka, "cka.png")):
+    for draw, name in ((decisions, "decisions.png"), (cka, "cka.png"), (sharpness, "sharpness.png")):
         drawn = draw(record, run_dir / name)
         if drawn is not None:
             out.append(drawn)

@@ -63,10 +63,12 @@ def test_analyze_draws_what_the_record_holds(tmp_path):
     full.mkdir()
     params = [{"stage": 0, "expansion_rate": None},
               {"stage": 1, "expansion_rate": 0.5, "decision_layers": [0, 1], "decisions": [[1, 0], [0, 1]]}]
-    probes = {"cka": {"1": {"A": [0.99, 0.7]}}}
+    sharp = [{"layer": l, "expert": e, "token_share": s, "grad_norm": g, "top_hessian_eig": h}
+             for l, e, s, g, h in ((0, 8, 0.3, 0.5, 2.0), (0, 9, 0.01, 0.0, 0.0), (1, 8, 0.2, 0.1, -0.4))]
+    probes = {"cka": {"1": {"A": [0.99, 0.7]}}, "sharpness": {"1": sharp}}
     (full / "run.json").write_text(json.dumps(_record(params=params, probes=probes)))
-    assert [p.name for p in analyze(full)] == ["heatmap.png", "decisions.png", "cka.png"]
-    assert all(_png(full / n) for n in ("heatmap.png", "decisions.png", "cka.png"))
+    names = ["heatmap.png", "decisions.png", "cka.png", "sharpness.png"]
+    assert [p.name for p in analyze(full)] == names and all(_png(full / n) for n in names)
 
 
 def test_analyze_names_a_missing_or_unfinished_record(tmp_path):
