@@ -69,7 +69,7 @@ class EWCArgs(MethodArgs):
 
 @register_method("ewc")
 class EWC(Method):
-    description = "EWC: diagonal empirical Fisher after each task, accumulated; pulls weights to the last task's"
+    description = "EWC: diagonal empirical Fisher after each task, accumulated; penalty λ·F·(θ − θ*)² toward the previous task's weights"
     Args = EWCArgs
 
     def __init__(self, args: EWCArgs, context):
