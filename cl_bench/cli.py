@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -50,13 +52,19 @@ def _add_run(sub) -> None:
     p.add_argument("--keep-checkpoint", action="store_true",
                    help="keep the last checkpoint (weights, optimiser) after the run completes")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--backend", choices=["torch", "deepspeed"],
+                   help="torch: one process (default); deepspeed: ZeRO-2/3 over --nproc ranks")
+    p.add_argument("--zero", type=int, choices=[2, 3], help="deepspeed: the ZeRO stage (default 2)")
+    p.add_argument("--nproc", type=int, metavar="N",
+                   help="deepspeed: start N ranks on this machine through DeepSpeed's launcher "
+                        "(one per GPU; without it, the ranks of an outer deepspeed/torchrun launch, else 1)")
 
 
 def _overrides(args) -> dict:
     from cl_bench.config import set_dotted
 
     raw: dict = {}
-    for key in ("method", "model", "profile", "seed", "output_dir", "run_id"):
+    for key in ("method", "model", "profile", "seed", "output_dir", "run_id", "backend"):
         if getattr(args, key) is not None:
             raw[key] = getattr(args, key)
     data = {key: getattr(args, key) for key in ("data_dir", "order", "n_train", "n_test")
@@ -65,6 +73,8 @@ def _overrides(args) -> dict:
         raw["data"] = data
     if args.eval_all:
         raw.setdefault("eval", {})["eval_all"] = True
+    if args.zero is not None:
+        raw.setdefault("deepspeed", {})["zero"] = args.zero
     if args.method_arg:
         raw["method_args"] = dict(args.method_arg)
     for key, value in args.set:
@@ -81,16 +91,63 @@ def cmd_run(args) -> int:
     if args.resume is None:
         overrides = _overrides(args)
         config = cfg.resolve(overrides.pop("profile", "cpu"), args.config, overrides)
+    elif args.backend or args.zero:
+        raise UserError("--resume continues a run with its recorded config; drop --backend/--zero")
+    if args.nproc is not None and _must_launch(args, config):
+        return _launch(args)  # this process starts the ranks; each runs this command
     run = sequencer.prepare(config, args.resume, progress=not args.no_progress, command=args.command_line)
     try:
         record = sequencer.execute(run, keep_checkpoint=args.keep_checkpoint)
     except KeyboardInterrupt:
-        print(f"\ninterrupted; the finished stages are saved. Resume with:\n"
-              f"  cl-bench run --resume {run.run_dir}", file=sys.stderr)
+        if run.backend.is_main:
+            print(f"\ninterrupted; the finished stages are saved. Resume with:\n"
+                  f"  cl-bench run --resume {run.run_dir}", file=sys.stderr)
         return EXIT_INTERRUPTED
-    print(format_matrix(record))
-    print(f"\nrun record: {run.run_dir / 'run.json'}")
+    if run.backend.is_main:
+        print(format_matrix(record))
+        print(f"\nrun record: {run.run_dir / 'run.json'}")
     return 0
+
+
+def _must_launch(args, config) -> bool:
+    """--nproc N: whether this process must start the N ranks (False: it is one of
+    them). Everything checkable is checked here, once, before N processes start."""
+    from cl_bench import registry
+    from cl_bench.backends import check_support
+    from cl_bench.config import build
+    from cl_bench.results import RUN_FILE, read_record
+
+    if args.nproc < 1:
+        raise UserError(f"--nproc {args.nproc}: give at least 1 rank")
+    if config is None:
+        config = build(read_record(args.resume)["config"], f"{args.resume / RUN_FILE}: config")
+    if config.backend != "deepspeed":
+        raise UserError("--nproc starts ranks of the deepspeed backend; add --backend deepspeed")
+    if "RANK" in os.environ:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != args.nproc:
+            raise UserError(f"--nproc {args.nproc} inside a launch of {world} ranks; drop --nproc "
+                            f"or launch {args.nproc}")
+        return False
+    check_support(registry.get(config.method), config)
+    from cl_bench.backends.deepspeed_backend import ds_config
+
+    ds_config(config, args.nproc, False)  # a conflicting DeepSpeed config file fails here, once
+    return True
+
+
+def _launch(args) -> int:
+    """Start --nproc ranks of this same command through DeepSpeed's launcher; each
+    sees RANK in its environment and runs the command as one rank."""
+    from cl_bench.backends.deepspeed_backend import free_port
+
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.nproc),
+                "--master_port", str(free_port()), "--no_local_rank", "--module", "cl_bench.cli"]
+    env = {**os.environ, "CL_BENCH_COMMAND": args.command_line}
+    try:
+        return subprocess.run([*launcher, *args.argv], env=env).returncode
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
 
 
 def cmd_show(args) -> int:
@@ -111,11 +168,25 @@ def cmd_list(args) -> int:
         alias = f" (alias: {', '.join(cls.aliases)})" if cls.aliases else ""
         print(f"{name:<{width}}  {cls.description}{alias}" + (f"  [{', '.join(tags)}]" if tags else ""))
         if args.verbose:
+            print(f"{'':<{width}}    backends: {_support(cls)}")
             for arg, typ, default in cls.arg_table():
                 print(f"{'':<{width}}    {arg}: {typ} = {default!r}")
     for b in registry.broken():
         print(f"{'(broken)':<{width}}  {b.source}: {b.error}")
     return 0
+
+
+def _support(cls) -> str:
+    """The backends a method runs on, and why not where it does not."""
+    refused = cls.zero_unsupported
+    ok = [f"deepspeed ZeRO-{z}" for z in (2, 3) if z not in refused]
+    text = ", ".join(["torch", *ok])
+    reasons: dict[str, list[int]] = {}
+    for z in sorted(refused):
+        reasons.setdefault(refused[z], []).append(z)
+    for reason, stages in reasons.items():
+        text += f"; not deepspeed ZeRO-{'/'.join(map(str, stages))}: {reason}"
+    return text
 
 
 def cmd_leaderboard(args) -> int:
@@ -213,6 +284,8 @@ def cmd_perf(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cl-bench", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    # `deepspeed script.py ARGS` passes --local_rank=N before ARGS; the rank comes from the environment
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
     p = sub.add_parser("show", help="print a run's matrix and summary from its record")
@@ -239,9 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", type=int, required=True)
     p.add_argument("--method-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", action="store_true")
-    p = sub.add_parser("perf", help="measure generation speed-up, harness overhead, MoE dispatch "
-                                    "or the loss upcycling adds before training")
-    p.add_argument("what", choices=["generation", "harness", "moe", "upcycle-gap"])
+    p = sub.add_parser("perf", help="measure generation speed-up, harness overhead, MoE dispatch, "
+                                    "the loss upcycling adds before training, or deepspeed's per-step cost")
+    p.add_argument("what", choices=["generation", "harness", "moe", "upcycle-gap", "deepspeed"])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--task", help="task(s) or order; default NumGLUE-ds (upcycle-gap: paper6)")
     p.add_argument("--n", type=int, default=32, help="prompts (generation) or examples (harness)")
@@ -260,8 +333,12 @@ COMMANDS = {"run": cmd_run, "show": cmd_show, "list": cmd_list, "leaderboard": c
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    args.command_line = shlex.join(["cl-bench", *argv])  # recorded beside what the command writes
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
+    args.argv = argv
+    # recorded beside what the command writes; a launched rank records its launcher's
+    args.command_line = os.environ.get("CL_BENCH_COMMAND") or shlex.join(
+        ["cl-bench", *(a for a in argv if not a.startswith(("--local_rank", "--local-rank")))])
+    rank = int(os.environ.get("RANK", "0"))  # ranks > 0 of a launch log errors only: rank 0 says the rest
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO if rank == 0 else logging.ERROR,
                         format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("transformers", "datasets", "urllib3", "filelock", "httpx", "absl"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
@@ -273,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         if args.debug:
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        if rank == 0:  # every rank raises the same error; one says it
+            print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

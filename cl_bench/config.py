@@ -60,6 +60,17 @@ class ReplayConfig:
 
 
 @dataclass
+class DeepSpeedConfig:
+    """The deepspeed backend (`backend: deepspeed`); ignored by `torch`. Batch sizes,
+    accumulation and clipping come from `train`, the optimiser from the method."""
+
+    zero: int = 2  # ZeRO stage: 2 partitions optimiser state and gradients; 3 also the weights
+    bf16: bool | None = None  # None: bf16 on CUDA devices that support it, else fp32
+    config: str | None = None  # a DeepSpeed JSON/YAML for everything else (buckets, overlap, offload);
+    #                            a relative path in a --config file is relative to that file
+
+
+@dataclass
 class RunConfig:
     method: str = "seqft"
     method_args: dict[str, Any] = field(default_factory=dict)
@@ -68,11 +79,12 @@ class RunConfig:
     seed: int = 1234
     output_dir: str = "runs"
     run_id: str | None = None  # None: <method>-<timestamp>-<random>
-    backend: str = "torch"
+    backend: str = "torch"  # torch: one process; deepspeed: ZeRO-2/3 over any number of ranks
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
     def __post_init__(self) -> None:
         t = self.train
@@ -98,8 +110,10 @@ class RunConfig:
             raise UserError(f"replay.fraction={r.fraction} must be in (0, 1]")
         if r.per_task is not None and r.per_task < 1 or r.lima < 0:
             raise UserError("replay.per_task must be at least 1 (or null) and replay.lima at least 0")
-        if self.backend != "torch":
-            raise UserError(f"backend={self.backend!r} is not available; choose 'torch'")
+        if self.backend not in ("torch", "deepspeed"):
+            raise UserError(f"backend={self.backend!r} is not available; choose 'torch' or 'deepspeed'")
+        if self.deepspeed.zero not in (2, 3):
+            raise UserError(f"deepspeed.zero={self.deepspeed.zero} must be 2 or 3")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -125,8 +139,10 @@ PROFILES: dict[str, dict[str, Any]] = {
     },
     "paper": {
         # The upcycling paper's setup (reference/bilevel-reference.md §6): Llama-3.2-1B,
-        # full TRACE data, epochs 8,5,5,5,5,5 over paper6, prompt/answer 512/512.
+        # full TRACE data, epochs 8,5,5,5,5,5 over paper6, prompt/answer 512/512, DeepSpeed
+        # ZeRO-2 in bf16 (configs/paper-deepspeed.yaml adds its seed, lr and DeepSpeed file).
         "model": "meta-llama/Llama-3.2-1B-Instruct",
+        "backend": "deepspeed",
         "data": {"order": "paper6", "n_train": None, "n_test": None},
         "train": {"batch_size": 32, "micro_batch_size": 8, "epochs": 5,
                   "epochs_per_task": {"MeetingBank": 8},
@@ -224,7 +240,8 @@ def merge(base: dict, override: dict) -> dict:
     return out
 
 
-_SECTIONS = {"data": DataConfig, "train": TrainConfig, "eval": EvalConfig, "replay": ReplayConfig}
+_SECTIONS = {"data": DataConfig, "train": TrainConfig, "eval": EvalConfig, "replay": ReplayConfig,
+             "deepspeed": DeepSpeedConfig}
 
 
 def build(raw: dict[str, Any], where: str) -> RunConfig:
@@ -277,6 +294,9 @@ def set_dotted(raw: dict, dotted: str, text: str) -> None:
 def resolve(profile: str, config_file: Path | None, overrides: dict[str, Any]) -> RunConfig:
     """profile defaults <- YAML file <- CLI overrides, validated into a RunConfig."""
     file_raw = load_yaml(config_file) if config_file else {}
+    ds = file_raw.get("deepspeed")
+    if isinstance(ds, dict) and isinstance(ds.get("config"), str) and not Path(ds["config"]).is_absolute():
+        ds["config"] = str((config_file.parent / ds["config"]).resolve())  # relative to the file naming it
     profile = overrides.get("profile") or file_raw.get("profile") or profile
     if profile not in PROFILES:
         raise UserError(f"unknown profile '{profile}'; {did_you_mean(profile, PROFILES)}available: {', '.join(PROFILES)}")

@@ -26,13 +26,16 @@ def max_new_tokens(spec, cfg: EvalConfig) -> int:
 
 
 def evaluate_task(model: nn.Module, encoder: Encoder, task, cfg: EvalConfig,
-                  on_batch: Callable[[int], None] | None = None) -> TaskEval:
+                  on_batch: Callable[[int], None] | None = None,
+                  generate: Callable[..., list[list[int]]] = greedy_generate) -> TaskEval:
+    """`generate`: greedy_generate's signature; the deepspeed backend's splits the
+    prompts over the ranks and returns every continuation on every rank."""
     tok = encoder.tokenizer
     prompts = [e.prompt for e in task.test]
     answers = [e.answer for e in task.test]
     budget = max_new_tokens(task.spec, cfg)
-    generated = greedy_generate(model, [encoder.prompt_ids(p) for p in prompts], budget,
-                                tok.eos_token_id, tok.pad_token_id, cfg.batch_size, on_batch)
+    generated = generate(model, [encoder.prompt_ids(p) for p in prompts], budget,
+                         tok.eos_token_id, tok.pad_token_id, cfg.batch_size, on_batch)
     predictions = [tok.decode(g, skip_special_tokens=True).strip() for g in generated]
     item_scores = scorers.per_item_scores(task.spec.metric, predictions, answers, prompts)
     score = sum(item_scores) / len(item_scores)  # = scorers.score (a mean of item scores)

@@ -53,8 +53,7 @@ def load_runs(runs_dir: Path, exclude: list[str] = ()) -> list[dict]:
     runs_dir = Path(runs_dir)
     if not runs_dir.is_dir():
         raise UserError(f"runs directory {runs_dir} does not exist; pass the folder holding <run-id>/run.json")
-    paths = [p for p in sorted(runs_dir.rglob("run.json"))
-             if not any(p.parent.relative_to(runs_dir).match(g) for g in exclude)]
+    paths = [p for p in sorted(runs_dir.rglob("run.json")) if not _excluded(p.parent.relative_to(runs_dir), exclude)]
     if not paths:
         raise UserError(f"no run.json found under {runs_dir}; run `cl-bench run` first or point at the right folder")
     runs, skipped = [], []
@@ -71,6 +70,14 @@ def load_runs(runs_dir: Path, exclude: list[str] = ()) -> list[dict]:
             f"no complete run under {runs_dir}; all {len(skipped)} found are unfinished: {', '.join(skipped)}"
         )
     return runs
+
+
+def _excluded(folder: Path, globs) -> bool:
+    """`folder` (relative) or one of its parent folders matches a glob ('*' spans '/')."""
+    import fnmatch
+
+    names = [folder.as_posix()] + [q.as_posix() for q in folder.parents if q != Path(".")]
+    return any(fnmatch.fnmatch(name, g) for name in names for g in globs)
 
 
 def _read_record(path: Path) -> dict:

@@ -68,6 +68,16 @@ class Method:
     Args: ClassVar[type] = MethodArgs
     uses_replay: ClassVar[bool] = False  # draws from the harness's shared replay buffer
     reference: ClassVar[bool] = False  # a reference row (reported beside, never ranked)
+    # Why the method cannot train on the deepspeed backend, per ZeRO stage (2, 3); a
+    # stage not listed is supported (shown by `cl-bench list --verbose`; a run asking
+    # for it is refused before anything loads). Outside a training phase the model is
+    # an ordinary module on every rank, so setup, before/after_task, eval and state
+    # hooks may do anything. Inside one, a method runs when its loss/replay_loss
+    # compute losses through self.model and its before_step/after_step leave weights,
+    # gradients and the optimiser alone and keep no state built from the micro-batches
+    # they see: ZeRO partitions gradients (2) and weights (3), keeps fp32 master copies
+    # of the weights inside its optimiser, and each rank sees different micro-batches.
+    zero_unsupported: ClassVar[dict[int, str]] = {}
 
     def __init__(self, args: MethodArgs, context: MethodContext):
         self.args = args

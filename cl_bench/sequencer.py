@@ -4,6 +4,10 @@ It calls a method only through the hooks of cl_bench.method.Method and never
 looks at its name. After every stage the run record, the predictions and a
 checkpoint are written, so an interrupted run loses at most the stage in
 progress and `--resume` continues at the next one.
+
+With several ranks (the deepspeed backend) every rank runs this same loop on the
+same data; only rank 0 writes files, logs and shows progress, and the backend
+splits training steps and evaluation across the ranks.
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ import torch
 from tqdm import tqdm
 
 from cl_bench import registry, results
-from cl_bench.backends.torch_backend import TorchBackend
+from cl_bench.backends import Backend, check_support
+from cl_bench.backends import create as create_backend
 from cl_bench.benchmarks.trace import load_benchmark, load_split, resolve_data_dir, resolve_order
 from cl_bench.config import RunConfig, build
 from cl_bench.data import Encoder, tokenize_train
@@ -48,7 +53,7 @@ class Run:
     tasks: list
     stages: list[Stage]
     encoder: Encoder
-    backend: TorchBackend
+    backend: Backend
     record: dict[str, Any]
     replay: ReplayBuffer
     replay_sources: dict[str, list]  # task name -> examples the buffer may hold
@@ -57,9 +62,10 @@ class Run:
     progress: bool = True
 
     @property
-    def cache_dir(self) -> Path:
-        """Tokenised splits, shared by the runs of one output folder."""
-        return self.run_dir.parent / ".cache"
+    def cache_dir(self) -> Path | None:
+        """Tokenised splits, shared by the runs of one output folder; written by rank 0
+        only (the others tokenise in memory)."""
+        return self.run_dir.parent / ".cache" if self.backend.is_main else None
 
 
 def new_run_id(method: str) -> str:
@@ -83,17 +89,16 @@ def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: 
             raise UserError(f"{resume_dir}: this run is already complete; nothing to resume")
         config = build(record["config"], f"{resume_dir / results.RUN_FILE}: config")
         run_dir = resume_dir
-    else:
-        config.run_id = config.run_id or new_run_id(config.method)
-        run_dir = Path(config.output_dir) / config.run_id
-        results.ensure_writable(Path(config.output_dir))
-        if (run_dir / results.RUN_FILE).exists():
-            raise UserError(f"{run_dir}: a run with this id exists; resume it with "
-                            f"--resume {run_dir} or choose another --run-id")
     method_cls = registry.get(config.method)
+    check_support(method_cls, config)
     method_args = method_cls.parse_args(config.method_args)
     resolve_order(config.data.order)
     data_dir = resolve_data_dir(config.data.data_dir)
+    backend = create_backend(config)  # deepspeed: joins the other ranks
+    if resume_dir is None:
+        config.run_id = config.run_id or backend.on_main(lambda: new_run_id(config.method))
+        run_dir = Path(config.output_dir) / config.run_id
+        backend.on_main(lambda: _claim(run_dir))
     tasks = load_benchmark(data_dir, config.data.order, config.data.n_train, config.data.n_test,
                            config.seed)
     if resume_dir is not None:
@@ -105,7 +110,7 @@ def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: 
         replay.add_lima(sources["Lima"])
 
     torch.manual_seed(config.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = backend.device
     loaded = load(config.model, config.seed, device)
     encoder = Encoder.from_config(loaded.tokenizer, config.train)
     ctx = MethodContext(config=config, device=device, tokenizer=loaded.tokenizer, all_tasks=tasks)
@@ -114,16 +119,26 @@ def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: 
     stages = method.plan(tasks)
 
     if resume_dir is None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        record = _new_record(config, method, method_args, loaded.info, tasks, stages, command)
-    run = Run(config, run_dir, method, tasks, stages, encoder, TorchBackend(config, device),
-              record, replay, sources, progress=progress)
+        backend.on_main(lambda: run_dir.mkdir(parents=True, exist_ok=True))
+        record = _new_record(config, method, method_args, loaded.info, tasks, stages, command, backend)
+    run = Run(config, run_dir, method, tasks, stages, encoder, backend, record, replay, sources,
+              progress=progress and backend.is_main)
     if resume_dir is not None:
         _restore(run, command)
+    backend.barrier()  # every rank has read what rank 0 is about to rewrite
     return run
 
 
-def _new_record(config, method, method_args, model_info, tasks, stages, command: str) -> dict[str, Any]:
+def _claim(run_dir: Path) -> None:
+    """Fail early, before loading a model, if the run folder cannot be written or is taken."""
+    results.ensure_writable(run_dir.parent)
+    if (run_dir / results.RUN_FILE).exists():
+        raise UserError(f"{run_dir}: a run with this id exists; resume it with "
+                        f"--resume {run_dir} or choose another --run-id")
+
+
+def _new_record(config, method, method_args, model_info, tasks, stages, command: str,
+                backend: Backend) -> dict[str, Any]:
     return {
         "schema_version": results.SCHEMA_VERSION,
         "run_id": config.run_id,
@@ -148,6 +163,7 @@ def _new_record(config, method, method_args, model_info, tasks, stages, command:
         "params": [],
         "replay": None,
         "config": config.to_dict(),
+        "backend": backend.describe(),
         "timing": {"stages": [], "total_s": 0.0},
         "versions": results.versions(),
         "git_commit": results.git_commit(),
@@ -169,6 +185,10 @@ def _name_of(model: torch.nn.Module) -> dict[int, str]:
 
 
 def _checkpoint(run: Run, stage_index: int) -> None:
+    """Full weights, method state and optimiser state (gathered by the backend after
+    training: the model is an ordinary module on every rank here); rank 0 writes."""
+    if not run.backend.is_main:
+        return
     names = _name_of(run.method.model)
     state = {
         "stage": stage_index,
@@ -209,10 +229,14 @@ def _restore(run: Run, command: str) -> None:
     run.predictions = [r for r in results.read_jsonl(run.run_dir / results.PREDICTIONS_FILE)
                        if r["stage"] < done]
     metrics = run.run_dir / results.METRICS_FILE
-    results.write_jsonl(metrics, [r for r in results.read_jsonl(metrics) if r["stage"] < done])
+    kept = [r for r in results.read_jsonl(metrics) if r["stage"] < done]
+    run.backend.barrier()  # every rank has read the files before rank 0 rewrites one
+    run.backend.on_main(lambda: results.write_jsonl(metrics, kept))
     rec["status"] = "running"
-    rec.setdefault("resumes", []).append({"at_stage": done, "command": command})
-    log.info("resuming %s at stage %d/%d", run.run_dir, done + 1, len(run.stages))
+    rec.setdefault("resumes", []).append({"at_stage": done, "command": command,
+                                          "backend": run.backend.describe()})
+    if run.backend.is_main:
+        log.info("resuming %s at stage %d/%d", run.run_dir, done + 1, len(run.stages))
 
 
 def _epochs(run: Run, stage: Stage) -> list[list[dict]]:
@@ -229,11 +253,14 @@ def _evaluate(run: Run, stage_label: str, indices: list[int], model) -> dict[int
     with tqdm(total=total, desc=f"{stage_label} eval", unit="ex", disable=not run.progress,
               leave=False) as bar:
         for j in indices:
-            out[j] = evaluate_task(model, run.encoder, run.tasks[j], run.config.eval, bar.update)
+            out[j] = evaluate_task(model, run.encoder, run.tasks[j], run.config.eval, bar.update,
+                                   run.backend.generate)
     return out
 
 
 def _write(run: Run) -> None:
+    if not run.backend.is_main:
+        return
     results.write_json(run.run_dir / results.RUN_FILE, run.record)
     results.write_jsonl(run.run_dir / results.PREDICTIONS_FILE, run.predictions)
 
@@ -252,9 +279,10 @@ def execute(run: Run, keep_checkpoint: bool = False) -> dict[str, Any]:
         rec["summary"] = summarise(rec["matrix"], rec["zero_shot"])
         rec["status"] = "complete"
         _write(run)
-        if not keep_checkpoint:
+        if not keep_checkpoint and run.backend.is_main:
             for name in (results.CHECKPOINT_DIR, f"{results.CHECKPOINT_DIR}.old"):
                 shutil.rmtree(run.run_dir / name, ignore_errors=True)
+        run.backend.barrier()  # no rank returns before rank 0 has written the run
     except BaseException as exc:
         rec["status"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
         rec["error"] = f"{type(exc).__name__}: {exc}"
@@ -330,12 +358,15 @@ def _run_stage(run: Run, stage: Stage) -> None:
     used = (rec["replay"] or {}).get("used", 0) + replayed
     rec["replay"] = {**run.replay.summary(), "used": used}
     rec["stages_done"] = stage.index + 1
-    with (run.run_dir / results.METRICS_FILE).open("a") as fh:
-        fh.writelines(json.dumps(r) + "\n" for r in log_rows)
+    if run.backend.is_main:
+        with (run.run_dir / results.METRICS_FILE).open("a") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in log_rows)
     # Record first, checkpoint second: a crash between the two resumes from the
     # previous checkpoint and redoes this stage, never skips it.
     _write(run)
     _checkpoint(run, stage.index)
+    if not run.backend.is_main:
+        return
     scores = ", ".join(f"{run.tasks[j].name} {evals[j].score:.1f}" for j in indices)
     log.info("%s done in %.0fs (train %.0fs, eval %.0fs): %s", label, train_s + eval_s,
              train_s, eval_s, scores)

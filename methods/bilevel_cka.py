@@ -287,6 +287,10 @@ class _Task:
 class BilevelCKA(Upcycle):
     description = "CKA-guided bilevel upcycling: clones of the active experts, learned masks pick Expand/Recycle"
     Args = BilevelCKAArgs
+    zero_unsupported = dict.fromkeys((2, 3), (
+        "its outer step trains the mask logits with their own optimiser inside replay_loss "
+        "(torch.autograd.grad through the model): only the rank holding a step's replay micro-batch would "
+        "take it, and ZeRO-3 cannot differentiate partitioned weights outside the engine's backward"))
     uses_replay = True
 
     def __init__(self, args: BilevelCKAArgs, context):

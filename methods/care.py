@@ -395,6 +395,9 @@ class CaRE(Method):
     description = ("CaRE: per-task adapter, router and perceiver in every layer; routers chosen by "
                    "lowest perceiver entropy, anchored shared adapter, frozen LLM")
     Args = CareArgs
+    zero_unsupported = dict.fromkeys((2, 3), (
+        "after_step pulls the shared adapter toward its task-start value in place, which the engine's fp32 "
+        "master weights (ZeRO-2) would overwrite and partitioned weights (ZeRO-3) do not hold"))
 
     def setup(self, model: nn.Module) -> None:
         self.model = model

@@ -296,6 +296,10 @@ class ClusterUpcycle(Upcycle):
     description = ("Cluster-aware upcycling: per task, experts by whitened SVD on k-means clusters of the "
                    "task's prompts, centroid router rows, EMA dense-teacher self-distillation")
     Args = ClusterUpcycleArgs
+    zero_unsupported = dict.fromkeys((2, 3), (
+        "its EMA teacher averages the live weights after every step and runs the model on its own copies "
+        "(torch.func.functional_call); under the engine the live weights are bf16 casts of fp32 masters "
+        "(ZeRO-2) or partitions (ZeRO-3)"))
 
     def __init__(self, args: ClusterUpcycleArgs, context):
         super().__init__(args, context)

@@ -71,6 +71,9 @@ class EWCArgs(MethodArgs):
 class EWC(Method):
     description = "EWC: diagonal empirical Fisher after each task, accumulated; penalty λ·F·(θ − θ*)² toward the previous task's weights"
     Args = EWCArgs
+    zero_unsupported = dict.fromkeys((2, 3), (
+        "before_step adds the penalty's gradient to each parameter's .grad and reads the full weights; "
+        "ZeRO holds gradients (and at stage 3 weights) only as partitions inside the engine"))
 
     def __init__(self, args: EWCArgs, context):
         super().__init__(args, context)

@@ -108,6 +108,9 @@ class MomentumFilteredAdam(torch.optim.Optimizer):
 class MoFO(Method):
     description = "MoFO: Adam moving only the top-α fraction of each weight matrix by |momentum| per step"
     Args = MoFOArgs
+    zero_unsupported = dict.fromkeys((2, 3), (
+        "its optimiser picks the top-alpha entries of each weight matrix, but ZeRO hands the optimiser flat "
+        "partitions spanning many tensors, so there are no matrices to filter"))
 
     def make_optimizer(self, groups: list[dict]) -> torch.optim.Optimizer:
         a = self.args

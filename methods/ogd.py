@@ -88,6 +88,9 @@ def extend_basis(basis: torch.Tensor, grads: torch.Tensor, cap: int) -> tuple[to
 class OGD(LoRA):
     description = "OGD on LoRA params: gradients projected off a basis of earlier tasks' per-example gradients"
     Args = OGDArgs
+    zero_unsupported = dict.fromkeys((2, 3), (
+        "before_step projects the adapter's flattened .grad off the stored basis; ZeRO holds gradients "
+        "only as partitions inside the engine"))
 
     def setup(self, model: nn.Module) -> None:
         super().setup(model)

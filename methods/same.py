@@ -394,6 +394,9 @@ class SAME(Method):
     description = ("SAME: a LoRA mixture (one expert per task) on gate/up/down with spectral routing, "
                    "curvature scaling and adaptive expert activation")
     Args = SAMEArgs
+    zero_unsupported = dict.fromkeys((2, 3), (
+        "before_step rewrites router and adapter gradients in .grad (spectral projection, curvature scaling), "
+        "which ZeRO partitions, and its input covariances come from each rank's own micro-batches"))
 
     def __init__(self, args: SAMEArgs, context):
         super().__init__(args, context)

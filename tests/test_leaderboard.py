@@ -280,6 +280,7 @@ def test_a_sweep_gives_one_row_per_argument_set_labelled_by_what_differs(tmp_pat
 def test_exclude_skips_matching_run_folders(tmp_path):
     d = tmp_path / "runs"
     write(d, make_run("seqft-a"))
-    write(d / "sweeps", make_run("ewc-x", method="ewc"))
+    write(d / "sweeps" / "ewc-lambda", make_run("ewc-x", method="ewc"))
     assert [r["method"] for r in load_runs(d, ["sweeps/*"])] == ["seqft"]
+    assert [r["method"] for r in load_runs(d, ["sweeps"])] == ["seqft"]
     assert len(load_runs(d)) == 2

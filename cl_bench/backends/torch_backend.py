@@ -5,7 +5,7 @@ from typing import Callable
 
 import torch
 
-from cl_bench.config import RunConfig
+from cl_bench.backends.base import Backend
 from cl_bench.data import IGNORE, collate, epoch_order, steps
 from cl_bench.method import Method, Stage
 from cl_bench.replay import sample_rows
@@ -13,12 +13,8 @@ from cl_bench.replay import sample_rows
 StepCallback = Callable[[int, dict[str, float]], None]
 
 
-class TorchBackend:
+class TorchBackend(Backend):
     name = "torch"
-
-    def __init__(self, config: RunConfig, device: torch.device):
-        self.config = config
-        self.device = device
 
     def train_stage(self, method: Method, optimizer: torch.optim.Optimizer, stage: Stage,
                     epochs: list[list[dict]], pad_id: int,

@@ -1,0 +1,58 @@
+"""What the sequencer needs from a backend besides `train_stage`: which rank this
+process is, running what only one rank may do (files, progress), agreeing on
+values across ranks, and generating for evaluation. The defaults are one process;
+the deepspeed backend overrides them for N ranks.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, TypeVar
+
+import torch
+
+from cl_bench.config import RunConfig
+from cl_bench.errors import UserError
+from cl_bench.generation import greedy_generate
+
+T = TypeVar("T")
+
+
+class Backend:
+    name = ""
+
+    def __init__(self, config: RunConfig, device: torch.device):
+        self.config = config
+        self.device = device
+        self.rank = 0
+        self.world_size = 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the only one that writes records, logs, checkpoints and progress."""
+        return self.rank == 0
+
+    def on_main(self, fn: Callable[[], T]) -> T:
+        """fn() on rank 0 only; its value (or its UserError) reaches every rank."""
+        return fn()
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here."""
+
+    def generate(self, model, prompts: list[list[int]], max_new_tokens: int, eos_id: int, pad_id: int,
+                 batch_size: int, on_batch: Callable[[int], None] | None = None) -> list[list[int]]:
+        """Greedy continuations of every prompt (cl_bench.generation), on every rank."""
+        return greedy_generate(model, prompts, max_new_tokens, eos_id, pad_id, batch_size, on_batch)
+
+    def describe(self) -> dict[str, Any]:
+        """What the run record states about how the run was trained."""
+        return {"name": self.name, "world_size": self.world_size}
+
+
+def check_support(method_cls, config: RunConfig) -> None:
+    """Refuse, before anything loads, a method that declares it cannot run on the
+    chosen backend (Method.zero_unsupported)."""
+    if config.backend != "deepspeed":
+        return
+    reason = method_cls.zero_unsupported.get(config.deepspeed.zero)
+    if reason:
+        raise UserError(f"method '{method_cls.name}' cannot run on the deepspeed backend with "
+                        f"ZeRO-{config.deepspeed.zero}: {reason}; run it with --backend torch")

@@ -1,0 +1,292 @@
+"""The DeepSpeed backend: the same runs on ZeRO-2/3 over N ranks (data parallel).
+
+Every rank runs the whole sequencer on the same data. Per optimiser step the
+step's micro-batches (train.batch_size examples in all, whatever the number of
+ranks) and its replay micro-batch are dealt out round-robin; a rank with fewer
+runs a weight-0 copy of one so every rank makes the same number of backward
+passes. Each micro-batch loss is weighted by its share of the step's answer
+tokens times the number of ranks (the engine averages over ranks), so the step's
+gradient is the torch backend's, and dropout draws from a generator seeded by
+(seed, stage, epoch, step, micro-batch): a run's numbers do not depend on how many
+ranks ran it, up to the order of floating-point sums. Logged parts are summed
+over ranks. Clipping (train.grad_clip) is the engine's.
+
+The engine lives for one training phase (zero_engine.ZeroPhase): between phases
+the model is an ordinary module with full weights on every rank, so hooks,
+evaluation and checkpoints are the torch backend's. Evaluation splits each
+task's generation batches over the ranks and gathers the continuations.
+
+Precision: bf16 on CUDA devices that support it, fp32 elsewhere, unless
+deepspeed.bf16 says otherwise: the engine computes in bf16 with fp32 master
+weights; frozen weights are rounded to bf16 for the phase (as DeepSpeed does), and
+between phases the model is fp32 again.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import socket
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import yaml
+
+from cl_bench.backends.base import Backend
+from cl_bench.backends.torch_backend import StepCallback
+from cl_bench.backends.zero_engine import ZeroPhase
+from cl_bench.config import RunConfig
+from cl_bench.data import IGNORE, collate, epoch_order, steps
+from cl_bench.errors import UserError
+from cl_bench.generation import greedy_generate
+from cl_bench.method import Method, Stage
+from cl_bench.replay import sample_rows
+
+log = logging.getLogger(__name__)
+
+# Set by the harness from the run config; a DeepSpeed config file may repeat them
+# only with the same value (or "auto").
+HARNESS_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                "gradient_clipping")
+REFUSED_SECTIONS = {"optimizer": "the method builds its optimiser (Method.make_optimizer)",
+                    "scheduler": "methods keep a constant lr or schedule it themselves",
+                    "fp16": "fp16 needs loss scaling, which the harness does not do; use bf16"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_distributed(deepspeed, timeout: timedelta) -> None:
+    """Join the launcher's process group (deepspeed, torchrun: RANK etc. in the
+    environment), or make a one-rank group for this process."""
+    if torch.distributed.is_initialized():
+        return
+    if "RANK" in os.environ:
+        deepspeed.init_distributed(timeout=timeout)
+    else:
+        os.environ.setdefault("LOCAL_RANK", "0")  # the engine asserts it is set
+        deepspeed.init_distributed(auto_mpi_discovery=False, init_method=f"tcp://127.0.0.1:{free_port()}",
+                                   rank=0, world_size=1, timeout=timeout)
+
+
+def load_ds_file(path: str) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read the DeepSpeed config ({exc.strerror}); check deepspeed.config")
+    try:
+        data = yaml.safe_load(text) if Path(path).suffix in (".yaml", ".yml") else json.loads(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise UserError(f"{path}: not valid JSON/YAML ({exc}); fix the file") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: a DeepSpeed config must be a mapping of settings")
+    return data
+
+
+def ds_config(config: RunConfig, world_size: int, bf16: bool) -> dict[str, Any]:
+    """The DeepSpeed config of a run: deepspeed.config's file (if any) under the
+    settings the harness owns; a conflict names the file, the key and the fix."""
+    t, d = config.train, config.deepspeed
+    base = load_ds_file(d.config) if d.config else {}
+    where = d.config or "deepspeed"
+    for key, why in REFUSED_SECTIONS.items():
+        if key in base and (key != "fp16" or base[key].get("enabled") not in (False, None)):
+            raise UserError(f"{where}: remove the '{key}' section: {why}")
+    accumulation = max(1, -(-(t.batch_size // t.micro_batch_size) // world_size))
+    owned = {"train_micro_batch_size_per_gpu": t.micro_batch_size,
+             "gradient_accumulation_steps": accumulation,
+             "train_batch_size": t.micro_batch_size * accumulation * world_size,
+             "gradient_clipping": t.grad_clip}
+    source = {"train_micro_batch_size_per_gpu": "train.micro_batch_size",
+              "gradient_accumulation_steps": "train.batch_size / train.micro_batch_size / ranks",
+              "train_batch_size": "train.batch_size", "gradient_clipping": "train.grad_clip"}
+    for key, value in owned.items():
+        if key in base and base[key] != "auto" and base[key] != value:
+            raise UserError(f"{where}: {key}={base[key]!r} but the run gives {value!r} (from {source[key]}); "
+                            f"set it to \"auto\" or remove it, and set {source[key]} instead")
+    zero = dict(base.get("zero_optimization", {}))
+    if zero.get("stage", "auto") not in ("auto", d.zero):
+        raise UserError(f"{where}: zero_optimization.stage={zero['stage']} but deepspeed.zero={d.zero}; "
+                        f"remove the stage from the file and choose it with --zero")
+    file_bf16 = base.get("bf16", {}).get("enabled", "auto")
+    if d.bf16 is None and file_bf16 not in ("auto", bf16):
+        bf16 = bool(file_bf16)
+    return {"steps_per_print": 2 ** 31, **base, **owned, "zero_optimization": {**zero, "stage": d.zero},
+            "bf16": {**base.get("bf16", {}), "enabled": bf16}}
+
+
+@dataclass
+class _Job:
+    """One micro-batch of an optimiser step: its loss hook and weight; parts it logs
+    go under `prefix` (None: a padding copy that logs nothing)."""
+
+    micro: dict[str, torch.Tensor]
+    weight: float  # share of the step's answer tokens (1 for the replay micro-batch)
+    hook: Callable
+    prefix: str | None
+
+
+class DeepSpeedBackend(Backend):
+    name = "deepspeed"
+
+    def __init__(self, config: RunConfig):
+        import deepspeed  # only here: the torch backend never imports it
+
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # engine set-up is logged at INFO per phase
+        # DeepSpeed's collectives call torch.distributed functions torch now marks deprecated
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+        self.ds = deepspeed
+        _init_distributed(deepspeed, timedelta(minutes=int(os.environ.get("CL_BENCH_DIST_TIMEOUT_MIN", 30))))
+        dist = torch.distributed
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local_rank)
+            device = torch.device("cuda", local_rank)
+        else:
+            device = torch.device("cpu")
+        super().__init__(config, device)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        wanted = config.deepspeed.bf16
+        if wanted and not deepspeed.accelerator.get_accelerator().is_bf16_supported():
+            raise UserError(f"deepspeed.bf16=true but this {device.type} device has no bf16 support; "
+                            f"set deepspeed.bf16 to null (auto) or false")
+        # auto: bf16 on GPUs that have it; a CPU computes bf16 slowly, so only when asked
+        auto = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        self.ds_config = ds_config(config, self.world_size, auto if wanted is None else wanted)
+        self.bf16 = self.ds_config["bf16"]["enabled"]
+
+    # ---- ranks ------------------------------------------------------------------
+    def on_main(self, fn: Callable[[], Any]) -> Any:
+        box: list[Any] = [None]
+        if self.is_main:
+            try:
+                box[0] = ("ok", fn())
+            except UserError as exc:
+                box[0] = ("user", str(exc))
+            except BaseException as exc:
+                box[0] = ("crash", f"{type(exc).__name__}: {exc}")
+                torch.distributed.broadcast_object_list(box, src=0)
+                raise
+        torch.distributed.broadcast_object_list(box, src=0)
+        kind, value = box[0]
+        if kind == "user":
+            raise UserError(value)
+        if kind == "crash":
+            raise RuntimeError(f"rank 0 failed: {value}")
+        return value
+
+    def barrier(self) -> None:
+        torch.distributed.barrier()
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "world_size": self.world_size, "zero": self.config.deepspeed.zero,
+                "bf16": self.bf16, "deepspeed_version": self.ds.__version__,
+                "deepspeed_config": self.ds_config}
+
+    # ---- evaluation -------------------------------------------------------------------
+    def generate(self, model, prompts, max_new_tokens, eos_id, pad_id, batch_size, on_batch=None):
+        """The batches greedy_generate would make (longest prompts first) are dealt
+        out to the ranks whole, so each continuation is computed exactly as on one
+        rank; every rank gets all of them back."""
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
+        mine = [i for batch in batches[self.rank::self.world_size] for i in batch]
+        local = (greedy_generate(model, [prompts[i] for i in mine], max_new_tokens, eos_id, pad_id,
+                                 batch_size, on_batch) if mine else [])
+        parts: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(parts, list(zip(mine, local)))
+        out: list[Any] = [None] * len(prompts)
+        for part in parts:
+            for i, generated in part:
+                out[i] = generated
+        if on_batch is not None and len(prompts) > len(mine):
+            on_batch(len(prompts) - len(mine))  # the other ranks' share
+        return out
+
+    # ---- training -----------------------------------------------------------------------
+    @contextmanager
+    def _seeded(self, key: str):
+        """Dropout and other draws of one micro-batch, the same on any number of ranks."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            torch.manual_seed(random.Random(key).getrandbits(63))
+            yield
+
+    def train_stage(self, method: Method, optimizer: torch.optim.Optimizer, stage: Stage,
+                    epochs: list[list[dict]], pad_id: int,
+                    on_step: StepCallback | None = None,
+                    replay_rows: list[dict] | None = None) -> int:
+        """As TorchBackend.train_stage, on one engine built for this phase."""
+        if not any(len(rows) for rows in epochs):
+            return 0
+        t = self.config.train
+        method.model.train()
+        phase = ZeroPhase(self.ds, method.model, optimizer, method.make_optimizer, self.ds_config,
+                          self.config.deepspeed.zero, self.bf16)
+        engine = phase.engine
+        step = replayed = 0
+        for epoch, rows in enumerate(epochs):
+            order = epoch_order(len(rows), self.config.seed, stage.label, epoch)
+            for batch in steps(rows, order, t.batch_size, t.micro_batch_size, pad_id):
+                jobs = [_Job(m, int((m["labels"] != IGNORE).sum()) / max(batch.n_tokens, 1), method.loss, "")
+                        for m in batch.micro_batches]
+                if replay_rows:
+                    rows_r = sample_rows(replay_rows, t.micro_batch_size,
+                                         f"{self.config.seed}/{stage.label}/{epoch}/{step}")
+                    jobs.append(_Job(collate(rows_r, pad_id), 1.0, method.replay_loss, "replay_"))
+                    replayed += len(rows_r)
+                parts: dict[str, float] = {}
+                mine = self._share(jobs)
+                for i, (j, job) in enumerate(mine):
+                    engine.set_gradient_accumulation_boundary(i == len(mine) - 1)
+                    micro = {k: v.to(self.device) for k, v in job.micro.items()}
+                    with self._seeded(f"{self.config.seed}/{stage.label}/{epoch}/{step}/{j}"):
+                        loss, named = engine(job.hook, micro, step)
+                    # the engine averages over ranks: the weights add up to 1 over all of them
+                    engine.backward(loss * (job.weight * self.world_size), scale_wrt_gas=False)
+                    if job.prefix == "":
+                        for key, value in named.items():
+                            parts[key] = parts.get(key, 0.0) + value * job.weight
+                    elif job.prefix:
+                        parts.update({job.prefix + k: v for k, v in named.items()})
+                parts = self._sum_parts(parts)
+                method.before_step(step)
+                phase.sync_hyperparameters()
+                engine.step()
+                if t.grad_clip > 0:
+                    parts["grad_norm"] = float(engine.get_global_grad_norm())
+                method.after_step(step)
+                if on_step is not None:
+                    on_step(step, parts)
+                step += 1
+        phase.close()
+        return replayed
+
+    def _share(self, jobs: list[_Job]) -> list[tuple[int, _Job]]:
+        """This rank's (index, job) pairs: jobs r, r + N, ... of the step, padded with
+        weight-0 copies of the first so that every rank runs as many backward passes."""
+        n = -(-len(jobs) // self.world_size)
+        idle = _Job(jobs[0].micro, 0.0, jobs[0].hook, None)
+        return [(j, jobs[j] if j < len(jobs) else idle)
+                for j in range(self.rank, n * self.world_size, self.world_size)]
+
+    def _sum_parts(self, parts: dict[str, float]) -> dict[str, float]:
+        """Each rank's token-weighted parts, summed (replay parts come from one rank)."""
+        if self.world_size == 1:
+            return parts
+        gathered: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, parts)
+        total: dict[str, float] = {}
+        for rank_parts in gathered:
+            for key, value in rank_parts.items():
+                total[key] = total.get(key, 0.0) + value
+        return total

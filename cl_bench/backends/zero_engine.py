@@ -1,0 +1,245 @@
+"""One DeepSpeed engine per training phase, and the way back to an ordinary module.
+
+Between phases the method's model is an ordinary torch module holding full
+weights (fp32, as loaded) on every rank, and the method's optimiser an ordinary
+torch optimiser whose state holds full per-parameter tensors (on the CPU). So
+every hook outside training (before_task adding experts or LoRA pairs, after_task,
+evaluation, checkpoints, resume) sees what it sees on the torch backend.
+
+`ZeroPhase(...)` builds an engine over the model and the parameters the
+optimiser trains (which may be new since the last phase: that is how added
+experts, branches and LoRA pairs get trained), carrying over the optimiser state
+(Adam's moments and step) and the fp32 values of the weights; `close()` gathers
+them back (ZeRO-3: every weight is re-assembled on every rank), destroys the
+engine and strips what DeepSpeed added to the modules and parameters.
+
+DeepSpeed internals used (tested with 0.19.8): the flat fp32 partitions of its
+ZeRO optimisers and `_lazy_init_hp_params_optimizer_state` (ZeRO-2), to seed the
+optimiser state; everything else goes through deepspeed.utils (safe_get/set_full_*,
+set_z3_leaf_module) and deepspeed.zero.GatheredParameters.
+"""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class LossForward(nn.Module):
+    """What the engine wraps: the method's model (a submodule, so the engine owns its
+    parameters) and a forward that runs one of the method's loss hooks, so the
+    engine's forward/backward machinery sees the loss the method computes through
+    `method.model`. `anchors`: parameters to tie into every loss with weight 0 (below)."""
+
+    def __init__(self, model: nn.Module, anchors: list[nn.Parameter]):
+        super().__init__()
+        self.model = model
+        self._anchors = anchors  # a plain list: not registered twice
+
+    def forward(self, loss_fn, batch: dict[str, torch.Tensor], step: int):
+        # Built before the model's forward, so autograd runs its backward last: every
+        # anchored parameter then gets its gradient, in this fixed order, at the end of
+        # the backward on every rank. ZeRO-2 reduces gradients in the order they arrive
+        # and expects the same parameters on every rank; a data-dependent graph (an MoE
+        # group that receives no token of one rank's micro-batch) would break either.
+        zero = torch.stack([p.reshape(-1)[0].float() for p in self._anchors]).sum() * 0.0 if self._anchors else None
+        loss, parts = loss_fn(batch, step)
+        return (loss if zero is None else loss + zero.to(loss.dtype)), parts
+
+
+def zero3_leaves(model: nn.Module) -> list[nn.Module]:
+    """Modules ZeRO-3 must gather whole before their forward: the nearest ancestor
+    with a forward of each module that holds parameters but has none (an MoE layer's
+    expert groups, a ParameterList of LoRA pairs), since its parameters are read by
+    that ancestor's forward, which ZeRO-3 would not know to gather."""
+    parent: dict[nn.Module, nn.Module] = {}
+    for module in model.modules():
+        for child in module.children():
+            parent[child] = module
+    no_forward = nn.Module.forward
+    leaves: list[nn.Module] = []
+    for module in model.modules():
+        if type(module).forward is not no_forward or next(module.parameters(recurse=False), None) is None:
+            continue
+        owner = parent.get(module)
+        while owner is not None and type(owner).forward is no_forward:
+            owner = parent.get(owner)
+        if owner is not None and owner not in leaves:
+            leaves.append(owner)
+    return leaves
+
+
+def _inputs_require_grad(module: nn.Module, args: tuple):
+    """ZeRO-3 reduces a leaf module's gradients in the module's full backward hook,
+    which PyTorch runs before the module's own backward when none of its inputs
+    requires grad (a leaf above frozen layers: the first MoE layer of an upcycled
+    model): the gradients would be taken as zero. Inputs that do not require grad
+    get no gradient from anything below, so a detached copy that requires grad
+    changes nothing else."""
+    if not torch.is_grad_enabled():
+        return None
+    return tuple(a.detach().requires_grad_() if torch.is_tensor(a) and a.is_floating_point()
+                 and not a.requires_grad else a for a in args)
+
+
+@dataclass
+class _Slot:
+    """One DeepSpeed parameter group: params of one optimiser group sharing their
+    scalar optimiser state (Adam's step), so the flat group can carry it."""
+
+    source: int  # index of the optimiser's param group
+    params: list[nn.Parameter]
+    scalars: dict[str, Any]  # e.g. {"step": tensor(12.)}; {} for fresh parameters
+
+
+class ZeroPhase:
+    """The engine of one training phase; see the module docstring."""
+
+    def __init__(self, deepspeed, model: nn.Module, optimizer: torch.optim.Optimizer, make_optimizer,
+                 ds_config: dict[str, Any], zero: int, bf16: bool):
+        self.ds = deepspeed
+        self.model = model
+        self.optimizer = optimizer
+        self.zero = zero
+        self.bf16 = bf16
+        self._params = list(model.parameters())
+        self._dtypes = [p.dtype for p in self._params]
+        self._shapes = [p.shape for p in self._params]  # ZeRO-3 leaves partitioned ones with shape [0]
+        self._shape_of = dict(zip(self._params, self._shapes))
+        # What DeepSpeed will add to modules and parameters, removed again in close().
+        self._module_keys = {m: set(vars(m)) for m in model.modules()}
+        self._param_keys = {p: set(vars(p)) for p in self._params}
+
+        self.slots = self._slots()
+        self.trainable = [p for s in self.slots for p in s.params]
+        state = optimizer.state
+        self._tensor_keys = sorted({k for p in self.trainable for k, v in state.get(p, {}).items()
+                                    if torch.is_tensor(v) and v.shape == p.shape})
+        masters = ([p.detach().to("cpu", torch.float32, copy=True) for p in self.trainable]
+                   if bf16 else None)  # the engine's own master copies would start from bf16
+
+        self._hooks = []
+        if zero == 3:
+            for module in zero3_leaves(model):
+                self.ds.utils.set_z3_leaf_module(module, True)
+                self._hooks.append(module.register_forward_pre_hook(_inputs_require_grad, prepend=True))
+        groups = [{**{k: v for k, v in optimizer.param_groups[s.source].items() if k != "params"},
+                   "params": s.params} for s in self.slots]
+        self.ds_optimizer = make_optimizer(groups)
+        anchors = self.trainable if zero == 2 else []
+        self.engine, *_ = deepspeed.initialize(model=LossForward(model, anchors),
+                                               optimizer=self.ds_optimizer, config=ds_config)
+        if masters is not None:
+            for p, value in zip(self.trainable, masters):
+                deepspeed.utils.safe_set_full_fp32_param(p, value)
+        if self._tensor_keys:
+            self._seed_state()
+        for p in self.trainable:  # held by the engine now, sharded; close() brings them back
+            state.pop(p, None)
+
+    # ---- optimiser state in -------------------------------------------------------
+    def _slots(self) -> list[_Slot]:
+        slots: list[_Slot] = []
+        for i, group in enumerate(self.optimizer.param_groups):
+            by_scalars: dict[tuple, _Slot] = {}
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                scalars = {k: v for k, v in self.optimizer.state.get(p, {}).items()
+                           if not (torch.is_tensor(v) and v.shape == p.shape)}
+                key = tuple(sorted((k, float(v) if torch.is_tensor(v) or isinstance(v, (int, float)) else repr(v))
+                                   for k, v in scalars.items()))
+                if key not in by_scalars:
+                    by_scalars[key] = _Slot(i, [], scalars)
+                by_scalars[key].params.append(p)
+            slots.extend(by_scalars.values())
+        return slots
+
+    def _flat_partitions(self) -> list[tuple[int, torch.Tensor]]:
+        """(DeepSpeed group index, this rank's flat fp32 partition) pairs."""
+        zopt = self.engine.optimizer
+        if self.zero == 3:
+            return [(zopt.sub_group_to_group_id[i], flat) for i, flat in enumerate(zopt.fp32_partitioned_groups_flat)]
+        return list(enumerate(zopt.single_partition_of_fp32_groups))
+
+    def _seed_state(self) -> None:
+        """Give the engine's (lazily initialised) optimiser state the carried values:
+        each slot's scalars as they were, zero moments for parameters without state
+        (exactly what Adam starts from), then every parameter's own moments."""
+        zopt = self.engine.optimizer
+        inner = zopt.optimizer
+        for g, flat in self._flat_partitions():
+            scalars = self.slots[g].scalars
+            step = scalars.get("step", torch.tensor(0.0))
+            inner.state[flat] = {"step": step.clone() if torch.is_tensor(step) else torch.tensor(float(step)),
+                                 **{k: v for k, v in scalars.items() if k != "step"},
+                                 **{k: torch.zeros_like(flat) for k in self._tensor_keys}}
+        if self.zero == 2:
+            zopt._lazy_init_hp_params_optimizer_state()  # ZeRO-2 links its per-parameter views here
+        carried = self.optimizer.state
+        for p in self.trainable:
+            for key in self._tensor_keys:
+                if key in carried.get(p, {}):
+                    self.ds.utils.safe_set_full_optimizer_state(p, carried[p][key], key)
+
+    # ---- every step -----------------------------------------------------------------
+    def sync_hyperparameters(self) -> None:
+        """Hyperparameters a method changes on its optimiser (an lr schedule) reach the engine."""
+        for slot, group in zip(self.slots, self.ds_optimizer.param_groups):
+            for key, value in self.optimizer.param_groups[slot.source].items():
+                if key != "params":
+                    group[key] = value
+
+    # ---- back to an ordinary module ---------------------------------------------------
+    def close(self) -> None:
+        """Full weights and optimiser state back on every rank (collectives: every rank
+        calls this, in the same order), then an ordinary module again."""
+        utils = self.ds.utils
+        values: dict[nn.Parameter, torch.Tensor] = {}
+        for p in self.trainable:
+            values[p] = utils.safe_get_full_fp32_param(p).detach().clone()
+        state = self._read_state()
+        if self.zero == 3:
+            for p in self._params:
+                if p not in values:
+                    with self.ds.zero.GatheredParameters([p]):
+                        values[p] = p.data.detach().clone()
+        self.engine.destroy()
+        # The engine's __del__ calls destroy() again when it is collected, which would
+        # unlink the parameters from whatever engine holds them by then: drop its optimiser.
+        self.engine.optimizer = None
+        for hook in self._hooks:
+            hook.remove()
+        for module, keys in self._module_keys.items():
+            for key in set(vars(module)) - keys:
+                delattr(module, key)
+            if type(module._parameters) is not dict:  # ZeRO-3's ZeROOrderedDict
+                module._parameters = dict(module._parameters.items())
+        for p, dtype, shape in zip(self._params, self._dtypes, self._shapes):
+            for key in set(vars(p)) - self._param_keys[p]:
+                delattr(p, key)
+            p.data = values.get(p, p.data).reshape(shape).to(dtype)
+        self.optimizer.state.update(state)
+        self.engine = self.ds_optimizer = None
+        gc.collect()  # the engine's buffers sit in reference cycles: free them before the next one
+
+    def _read_state(self) -> dict[nn.Parameter, dict[str, Any]]:
+        inner = self.engine.optimizer.optimizer
+        flats = self._flat_partitions()
+        if not flats or flats[0][1] not in inner.state:
+            return {}  # no step taken and nothing carried: Adam has no state yet
+        keys = sorted(k for k, v in inner.state[flats[0][1]].items()
+                      if torch.is_tensor(v) and v.shape == flats[0][1].shape)
+        scalars = {}
+        for g, flat in flats:
+            scalars[g] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in inner.state[flat].items()
+                          if not (torch.is_tensor(v) and v.shape == flat.shape)}
+        out = {}
+        for g, slot in enumerate(self.slots):
+            for p in slot.params:
+                out[p] = {**scalars[g], **{k: self.ds.utils.safe_get_full_optimizer_state(p, k)
+                                           .detach().to("cpu", copy=True).reshape(self._shape_of[p]) for k in keys}}
+        return out

@@ -1,0 +1,276 @@
+"""The deepspeed backend on one rank, in this process (DeepSpeed's CPU accelerator,
+gloo): the same numbers as the torch backend, added parameters trained, ZeRO-3
+checkpoints and resume; and what needs no engine: refusals, config checks,
+launch arguments, rank-0-only writing.
+
+Tolerances (measured on the smoke profile: at most 4e-7 relative): logged losses
+agree with the torch backend to rel 1e-5, the R matrix and every prediction exactly.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cl_bench import results
+from cl_bench.errors import UserError
+from conftest import only_run, run_cli, smoke_args
+
+ROOT = Path(__file__).resolve().parents[1]
+LOSS_RTOL = 1e-5
+
+
+def small_buckets(tmp_path: Path) -> Path:
+    """Tiny buckets and no persistent parameters, so that on the tiny model ZeRO-2
+    reduces in several buckets and ZeRO-3 really partitions every weight."""
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps({"zero_optimization": {
+        "reduce_bucket_size": 2000, "allgather_bucket_size": 2000,
+        "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 2000}}))
+    return path
+
+
+def deepspeed_args(tmp_path: Path, zero: int) -> list[str]:
+    return ["--backend", "deepspeed", "--zero", str(zero), "--set", f"deepspeed.config={small_buckets(tmp_path)}"]
+
+
+def interrupted_ds_run(monkeypatch, *argv, at_stage: int) -> Path:
+    """conftest.interrupted_run for the deepspeed backend: Ctrl-C while stage
+    `at_stage` trains (on every rank); returns the run folder."""
+    from cl_bench.backends.deepspeed_backend import DeepSpeedBackend
+
+    real = DeepSpeedBackend.train_stage
+
+    def interrupt(self, method, optimizer, stage, *args, **kwargs):
+        if stage.index == at_stage:
+            raise KeyboardInterrupt
+        return real(self, method, optimizer, stage, *args, **kwargs)
+
+    monkeypatch.setattr(DeepSpeedBackend, "train_stage", interrupt)
+    try:
+        assert run_cli(*argv) == 130
+    finally:
+        monkeypatch.setattr(DeepSpeedBackend, "train_stage", real)
+    torch.distributed.barrier()  # with several ranks: until rank 0 has written the record
+    argv = [str(a) for a in argv]
+    return only_run(Path(argv[argv.index("--output-dir") + 1]))
+
+
+def log_rows(run_dir: Path) -> list[dict]:
+    return results.read_jsonl(run_dir / "metrics.jsonl")
+
+
+def assert_same_run(a: Path, b: Path, rtol: float = LOSS_RTOL, atol: float = 1e-6) -> None:
+    """Two run folders hold the same results: every logged number within the tolerance
+    (grad_norm: DeepSpeed sums its squares in fp64), the R matrix and the predictions equal."""
+    ra, rb = log_rows(a), log_rows(b)
+    assert len(ra) == len(rb) > 0
+    for x, y in zip(ra, rb):
+        assert x.keys() == y.keys()
+        for key in x.keys() - {"stage", "step", "phase"}:
+            assert y[key] == pytest.approx(x[key], rel=rtol, abs=atol), (key, x, y)
+    rec_a, rec_b = (json.loads((d / "run.json").read_text()) for d in (a, b))
+    assert rec_a["matrix"] == rec_b["matrix"]
+    preds = lambda d: [r["prediction"] for r in results.read_jsonl(d / "predictions.jsonl")]
+    assert preds(a) == preds(b)
+
+
+# ---- no engine needed ---------------------------------------------------------------------
+
+def test_methods_that_cannot_run_are_refused_before_loading(trace_dir, tmp_path, capsys):
+    out = tmp_path / "runs"
+    assert run_cli(*smoke_args(trace_dir, out, "--method", "ewc", "--backend", "deepspeed")) == 2
+    err = capsys.readouterr().err
+    assert "method 'ewc' cannot run on the deepspeed backend with ZeRO-2: before_step" in err
+    assert "--backend torch" in err
+    assert not out.exists() or not any(out.iterdir())  # nothing written, no model loaded
+
+
+def test_every_method_declares_its_backend_support(capsys):
+    from cl_bench import registry
+
+    assert run_cli("list", "--verbose") == 0
+    shown = capsys.readouterr().out
+    for name, cls in registry.available().items():
+        assert set(cls.zero_unsupported) <= {2, 3}
+        assert all(len(reason) > 40 for reason in cls.zero_unsupported.values()), name
+    assert "backends: torch, deepspeed ZeRO-2, deepspeed ZeRO-3" in shown  # seqft, upcycle ...
+    assert "backends: torch; not deepspeed ZeRO-2/3: its optimiser picks" in shown  # mofo
+
+
+def test_deepspeed_config_file_conflicts_name_the_key_and_the_fix(tmp_path):
+    from cl_bench.backends.deepspeed_backend import ds_config
+    from cl_bench.config import resolve
+
+    def config_with(content: dict, **flags):
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps(content))
+        return resolve("smoke", None, {"backend": "deepspeed", "deepspeed": {"config": str(path), **flags}})
+
+    with pytest.raises(UserError, match=r"gradient_clipping=0.5 but the run gives 1.0 \(from train.grad_clip\)"):
+        ds_config(config_with({"gradient_clipping": 0.5}), 1, False)
+    with pytest.raises(UserError, match="remove the 'optimizer' section: the method builds its optimiser"):
+        ds_config(config_with({"optimizer": {"type": "Adam"}}), 1, False)
+    with pytest.raises(UserError, match="zero_optimization.stage=3 but deepspeed.zero=2"):
+        ds_config(config_with({"zero_optimization": {"stage": 3}}), 1, False)
+    built = ds_config(config_with({"train_batch_size": "auto", "zero_optimization": {"overlap_comm": True}},
+                                  zero="3"), 1, False)
+    assert built["zero_optimization"] == {"overlap_comm": True, "stage": 3}
+    assert (built["train_batch_size"], built["gradient_accumulation_steps"]) == (4, 2)  # smoke: 4 = 2 x 2
+
+
+def test_paper_config_is_the_papers_setup():
+    """configs/paper-deepspeed.yaml (bilevel-reference.md §6): 4 GPUs x micro 8 x
+    accumulation 1 = 32, ZeRO-2, bf16, clip 1.0, lr 1.5e-5, epochs 8,5,5,5,5,5, 512/512."""
+    from cl_bench.backends.deepspeed_backend import ds_config
+    from cl_bench.config import resolve
+
+    config = resolve("cpu", ROOT / "configs" / "paper-deepspeed.yaml", {})
+    assert (config.profile, config.backend, config.seed) == ("paper", "deepspeed", 42)
+    assert config.model == "meta-llama/Llama-3.2-1B-Instruct" and config.data.order == "paper6"
+    t = config.train
+    assert [t.epochs_for(n) for n in ("MeetingBank", "Py150", "NumGLUE-cm", "NumGLUE-ds", "20Minuten",
+                                      "C-STANCE")] == [8, 5, 5, 5, 5, 5]
+    assert (t.max_prompt_len, t.max_answer_len, t.grad_clip) == (512, 512, 1.0)
+    assert config.method_args == {"lr": 1.5e-5}
+    four = ds_config(config, 4, True)
+    assert (four["train_micro_batch_size_per_gpu"], four["gradient_accumulation_steps"],
+            four["train_batch_size"]) == (8, 1, 32)
+    assert four["zero_optimization"]["stage"] == 2 and four["bf16"] == {"enabled": True}
+    assert four["gradient_clipping"] == 1.0 and "offload_optimizer" in four["zero_optimization"]
+    assert ds_config(config, 2, True)["gradient_accumulation_steps"] == 2  # still 32 a step
+
+
+def test_launch_arguments(trace_dir, tmp_path, capsys, monkeypatch):
+    from cl_bench.cli import build_parser
+
+    args = build_parser().parse_args(["--local_rank=1", "run", "--backend", "deepspeed", "--nproc", "2"])
+    assert (args.local_rank, args.nproc, args.backend) == (1, 2, "deepspeed")  # `deepspeed script` adds it
+    assert run_cli(*smoke_args(trace_dir, tmp_path, "--nproc", "2")) == 2
+    assert "add --backend deepspeed" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "0")  # as inside a launch of 3 ranks
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert run_cli(*smoke_args(trace_dir, tmp_path, "--backend", "deepspeed", "--nproc", "2")) == 2
+    assert "inside a launch of 3 ranks" in capsys.readouterr().err
+
+
+def test_a_torch_run_never_imports_deepspeed(trace_dir, tmp_path):
+    code = ("import sys; from cl_bench.cli import main; "
+            f"assert main({smoke_args(trace_dir, tmp_path / 'runs', '--order', 'Py150')!r}) == 0; "
+            "assert 'deepspeed' not in sys.modules, 'deepspeed imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_only_rank_zero_writes_logs_and_shows_progress(trace_dir, tmp_path, monkeypatch, capsys):
+    """Every rank runs the sequencer; one that is not rank 0 writes no file and prints
+    no log line or progress bar (a torch backend posing as rank 1 of 2)."""
+    from cl_bench import sequencer
+    from cl_bench.backends.torch_backend import TorchBackend
+
+    class SecondRank(TorchBackend):
+        def __init__(self, config):
+            super().__init__(config, torch.device("cpu"))
+            self.rank, self.world_size = 1, 2
+
+        def on_main(self, fn):
+            return None  # rank 0, elsewhere, does it
+
+    monkeypatch.setattr(sequencer, "create_backend", SecondRank)
+    out = tmp_path / "runs"
+    args = [a for a in smoke_args(trace_dir, out, "--run-id", "r") if a != "--no-progress"]
+    assert run_cli(*args) == 0
+    assert not out.exists() or not any(out.rglob("*"))  # not even the tokenisation cache
+    captured = capsys.readouterr()
+    assert "stage 1/3" not in captured.err + captured.out and "Last Acc" not in captured.out
+
+
+# ---- one rank, one engine per phase ---------------------------------------------------------
+
+def test_one_rank_zero2_matches_the_torch_backend(trace_dir, tmp_path, monkeypatch):
+    """SeqFT on the smoke profile: the same loss trajectory (rel 1e-5), grad norms,
+    matrix and predictions as the torch backend, with the Adam moments carried from
+    stage to stage through a new engine each stage; the garbage collector runs at
+    every step, so earlier engines are collected while a later one trains."""
+    import gc
+
+    from cl_bench.backends.zero_engine import ZeroPhase
+
+    sync = ZeroPhase.sync_hyperparameters
+    monkeypatch.setattr(ZeroPhase, "sync_hyperparameters", lambda self: (gc.collect(), sync(self)))
+    plain, ds = tmp_path / "torch", tmp_path / "ds"
+    assert run_cli(*smoke_args(trace_dir, plain)) == 0
+    assert run_cli(*smoke_args(trace_dir, ds, *deepspeed_args(tmp_path, 2))) == 0
+    assert_same_run(only_run(plain), only_run(ds))
+    record = json.loads((only_run(ds) / "run.json").read_text())
+    assert record["backend"]["name"] == "deepspeed" and record["backend"]["world_size"] == 1
+    assert record["backend"]["deepspeed_config"]["zero_optimization"]["stage"] == 2
+
+
+def test_bf16_trains_in_bf16_and_keeps_fp32_weights_between_phases(trace_dir, tmp_path):
+    """deepspeed.bf16=true (on this CPU too): the engine computes in bf16 with fp32
+    master weights; between phases the model is fp32 again and holds the masters, not
+    their bf16 copies, so three stages lose no precision at their boundaries."""
+    from cl_bench import sequencer
+    from cl_bench.config import resolve
+
+    config = resolve("smoke", None, {"method_args": {"lr": "1e-3"}, "backend": "deepspeed",
+                                     "deepspeed": {"bf16": "true"}, "data": {"data_dir": str(trace_dir)},
+                                     "output_dir": str(tmp_path / "bf16")})
+    run = sequencer.prepare(config, progress=False)
+    record = sequencer.execute(run)
+    assert record["backend"]["bf16"] is True
+    params = list(run.method.model.parameters())
+    assert all(p.dtype == torch.float32 for p in params)
+    assert any(bool((p != p.bfloat16().float()).any()) for p in params)  # not bf16 values
+    plain = tmp_path / "torch"
+    assert run_cli(*smoke_args(trace_dir, plain)) == 0
+    lm = lambda d: [r["lm"] for r in log_rows(d)]
+    assert lm(only_run(tmp_path / "bf16")) == pytest.approx(lm(only_run(plain)), rel=1e-2)
+
+
+def _expert_drift(model) -> list[list[float]]:
+    """Per MoE layer and expert group: how far its experts moved from the dense
+    slices they were copied from (0.0: never trained)."""
+    from cl_bench.models.moe import moe_layers, slice_experts
+
+    drift = []
+    for layer in moe_layers(model):
+        gate, _, _ = slice_experts(layer.dense, layer.n_per_group)
+        drift.append([float((g.gate.detach() - gate[g.slots]).abs().max()) for g in layer.groups])
+    return drift
+
+
+def test_zero3_trains_added_experts_checkpoints_and_resumes(trace_dir, tmp_path, monkeypatch):
+    """Upcycling on ZeRO-3 (one rank, every weight partitioned): the expert group each
+    stage adds is trained in that stage (a new engine takes it in); an interrupted run
+    resumed from its gathered checkpoint gives the straight run's numbers; both equal
+    the torch backend's."""
+    from cl_bench import sequencer
+    from cl_bench.config import resolve
+
+    flags = ["--method", "upcycle", *deepspeed_args(tmp_path, 3)]
+    straight = tmp_path / "straight"
+    config = resolve("smoke", None, {"method": "upcycle", "method_args": {"lr": "1e-3"}, "backend": "deepspeed",
+                                     "deepspeed": {"zero": "3", "config": str(small_buckets(tmp_path))},
+                                     "data": {"data_dir": str(trace_dir)}, "output_dir": str(straight)})
+    run = sequencer.prepare(config, progress=False)
+    sequencer.execute(run)
+    drift = _expert_drift(run.method.model)
+    assert len(drift) == 2 and all(len(groups) == 3 for groups in drift)
+    assert all(d > 1e-4 for groups in drift for d in groups), drift  # every stage's new group moved
+
+    broken = tmp_path / "broken"
+    run_dir = interrupted_ds_run(monkeypatch, *smoke_args(trace_dir, broken, *flags), at_stage=1)
+    state = results.load_checkpoint(run_dir)  # full weights: ZeRO-3 partitions gathered for saving
+    assert state["method"]["layout"] == [[8], [8]]
+    assert all(t.numel() > 0 for t in state["model"].values())
+    assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
+    assert_same_run(only_run(straight), run_dir)
+    plain = tmp_path / "torch"
+    assert run_cli(*smoke_args(trace_dir, plain, "--method", "upcycle")) == 0
+    assert_same_run(only_run(plain), run_dir)

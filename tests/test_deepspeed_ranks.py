@@ -1,0 +1,128 @@
+"""The deepspeed backend on 2 ranks (CPU, gloo): ZeRO-2 and ZeRO-3 runs of seqft,
+lora and upcycle (and replay on ZeRO-2) on the smoke profile agree with one rank,
+resume works, and only rank 0 writes, logs and shows progress.
+
+One launch (torchrun: the "launched from outside" path) runs the seven runs and an
+interrupted-and-resumed one inside the same two processes, which saves five
+launches; a second test starts its ranks itself with `cl-bench run --nproc 2`.
+
+Tolerances: logged losses within rel 1e-5 of the one-rank run (measured: at most
+4e-7 relative; the ranks add their gradients in another order), the R matrix and
+every prediction equal. One rank means the torch backend for seqft, upcycle and replay;
+for lora the deepspeed backend on one rank, since LoRA's dropout draws per
+micro-batch there (so that they do not depend on the number of ranks), not from
+the torch backend's one running stream.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from cl_bench import results
+from conftest import make_trace, only_run, run_cli, smoke_args
+from test_deepspeed import assert_same_run, deepspeed_args, interrupted_ds_run, small_buckets
+
+# replay: 2 micro-batches and a replay one per step, so one rank also runs a padding copy
+RUNS = [(method, zero) for method in ("seqft", "lora", "upcycle") for zero in (2, 3)] + [("replay", 2)]
+RESUMED = ("upcycle", 3)
+# 4 test examples per task in generation batches of 3 and 1: rank 0 decodes the first
+# batch, rank 1 the second, and both get all predictions back.
+EVAL = ["--set", "eval.batch_size=3"]
+
+
+def _ranks_main(out: Path) -> int:
+    """Each rank of the torchrun launch: every run of RUNS, then RESUMED again,
+    interrupted in stage 2 and resumed, all through the CLI in this process."""
+    trace = out / "trace"
+    ds = lambda zero: [*EVAL, "--backend", "deepspeed", "--zero", str(zero), "--set",
+                       f"deepspeed.config={out / 'small.json'}"]  # written by the test, before the launch
+    for method, zero in RUNS:
+        code = run_cli(*smoke_args(trace, out / f"{method}-z{zero}", "--method", method, *ds(zero)))
+        if code:
+            return code
+    method, zero = RESUMED
+
+    class Patch:  # the slice of pytest's monkeypatch interrupted_ds_run uses
+        def setattr(self, obj, name, value):
+            setattr(obj, name, value)
+
+    run_dir = interrupted_ds_run(Patch(), *smoke_args(trace, out / "resumed", "--method", method, *ds(zero)),
+                                 at_stage=1)
+    return run_cli("run", "--resume", run_dir, "--no-progress")
+
+
+def _launch_env() -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent),
+           "CL_BENCH_DIST_TIMEOUT_MIN": "3"}  # a hung collective fails the test instead of the CI run
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # this process is not a rank
+    return env
+
+
+def test_two_ranks_agree_with_one(tmp_path):
+    out = tmp_path / "ranks"
+    make_trace(out / "trace")
+    small_buckets(out)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(_port()), __file__, str(out)],
+                          env=_launch_env(), capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    one = tmp_path / "one"
+    references = {}
+    for method, zero in RUNS:
+        if method not in references:
+            extra = [*EVAL, *(deepspeed_args(one, 2) if method == "lora" else [])]
+            assert run_cli(*smoke_args(out / "trace", one / method, "--method", method, *extra)) == 0
+            references[method] = only_run(one / method)
+        two = only_run(out / f"{method}-z{zero}")
+        assert_same_run(references[method], two)
+        record = json.loads((two / "run.json").read_text())
+        assert record["backend"]["world_size"] == 2 and record["backend"]["zero"] == zero
+    resumed = json.loads((only_run(out / "resumed") / "run.json").read_text())
+    assert resumed["status"] == "complete" and resumed["resumes"][0]["at_stage"] == 1
+    assert_same_run(only_run(out / "{}-z{}".format(*RESUMED)), only_run(out / "resumed"))
+
+
+def test_cli_starts_its_ranks_and_only_rank_zero_speaks(trace_dir, tmp_path):
+    """`cl-bench run --backend deepspeed --nproc 2`: one log line per stage, one progress
+    bar per phase, one record; the experts each stage added were trained (ZeRO-3: read
+    back from the checkpoint, whose weights were gathered from both ranks)."""
+    out = tmp_path / "runs"
+    argv = [a for a in smoke_args(trace_dir, out, "--method", "upcycle", "--nproc", "2", "--run-id", "r",
+                                  "--keep-checkpoint", *deepspeed_args(tmp_path, 3)) if a != "--no-progress"]
+    done = subprocess.run([sys.executable, "-m", "cl_bench.cli", *map(str, argv)], env=_launch_env(),
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    text = done.stdout + done.stderr
+    for b, task in enumerate(["NumGLUE-cm", "Py150", "20Minuten"]):
+        assert text.count(f"stage {b + 1}/3 [{task}] done in") == 1
+        assert text.count(f"stage {b + 1}/3 [{task}] train:   0%|          | 0/2 [00:00<?, ?step/s]") == 1
+        # ^ the bar's first draw (before any step's postfix): one bar, drawn by rank 0
+    assert text.count("Last Acc") == 1
+    record = json.loads((out / "r" / "run.json").read_text())
+    assert record["backend"]["world_size"] == 2 and "--nproc 2" in record["command"]
+    state = results.load_checkpoint(out / "r")["model"]
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.mlp"
+        dense = state[f"{prefix}.dense.gate_proj.weight"]  # (H, d): slice c is rows c*h .. (c+1)*h
+        for g in range(3):
+            gate = state[f"{prefix}.groups.{g}.gate"]  # (8, h, d), expert i stands in for slice i
+            assert not torch.allclose(gate, dense.reshape(gate.shape)), (layer, g)
+
+
+def _port() -> int:
+    from cl_bench.backends.deepspeed_backend import free_port
+
+    return free_port()
+
+
+if __name__ == "__main__":  # a rank of test_two_ranks_agree_with_one's launch
+    torch.set_num_threads(1)
+    sys.exit(_ranks_main(Path(sys.argv[1])))
+
