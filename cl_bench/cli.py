@@ -1,4 +1,4 @@
-"""`cl-bench`: run | show | list | leaderboard | score | params | perf.
+"""`cl-bench`: run | show | list | leaderboard | analyze | score | params | perf.
 
 Bad input raises UserError anywhere below; here it becomes one line on stderr
 and exit code 2 (a traceback only with --debug).
@@ -200,6 +200,14 @@ def cmd_leaderboard(args) -> int:
     return 0
 
 
+def cmd_analyze(args) -> int:
+    from cl_bench.analyze import analyze
+
+    for path in analyze(args.run_dir):
+        print(path)
+    return 0
+
+
 def cmd_score(args) -> int:
     from cl_bench.benchmarks.trace import get_task
     from cl_bench.metrics import scorers
@@ -301,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="README markers <!-- SECTION:begin --> / <!-- SECTION:end --> (default leaderboard)")
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                    help="skip run folders matching GLOB, relative to --runs (repeatable), e.g. 'sweeps/*'")
+    p = sub.add_parser("analyze", help="figures from a run record (heatmap, decisions, CKA, sharpness), "
+                                       "written beside it")
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     p = sub.add_parser("score", help="score predictions made elsewhere")
     p.add_argument("--task", required=True, help="TRACE task name, e.g. 20Minuten")
     p.add_argument("--predictions", type=Path, required=True,
@@ -326,8 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = {"run": cmd_run, "show": cmd_show, "list": cmd_list, "leaderboard": cmd_leaderboard, "score": cmd_score,
-            "params": cmd_params, "perf": cmd_perf}
+COMMANDS = {"run": cmd_run, "show": cmd_show, "list": cmd_list, "leaderboard": cmd_leaderboard,
+            "analyze": cmd_analyze, "score": cmd_score, "params": cmd_params, "perf": cmd_perf}
 
 
 def main(argv: list[str] | None = None) -> int:

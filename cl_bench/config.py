@@ -47,6 +47,11 @@ class EvalConfig:
     batch_size: int = 16  # prompts per generation batch
     max_new_tokens_cap: int | None = None  # caps every task's max_new_tokens (None: task's own)
     eval_all: bool = False  # evaluate every task at every stage plus a zero-shot row (FWT)
+    cka_probe: int = 0  # test examples per task whose per-layer CKA since the task was learned is
+    #                     recorded after every stage (cl_bench/probes.py; `cl-bench analyze`); 0: off
+    cka_probe_tokens: int = 512  # at most this many of their tokens
+    sharpness: int = 0  # test examples of the last task for expert sharpness after the last stage; 0: off
+    sharpness_iters: int = 10  # Lanczos steps (Hessian-vector products) per expert
 
 
 @dataclass
@@ -87,6 +92,9 @@ class RunConfig:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
     def __post_init__(self) -> None:
+        for name in ("cka_probe", "cka_probe_tokens", "sharpness", "sharpness_iters"):
+            if getattr(self.eval, name) < 0:
+                raise UserError(f"eval.{name}={getattr(self.eval, name)} must be >= 0 (0 turns it off)")
         t = self.train
         if t.batch_size % t.micro_batch_size:
             raise UserError(

@@ -32,12 +32,13 @@ from cl_bench.backends import Backend, check_support
 from cl_bench.backends import create as create_backend
 from cl_bench.benchmarks.trace import load_benchmark, load_split, resolve_data_dir, resolve_order
 from cl_bench.config import RunConfig, build
-from cl_bench.data import Encoder, tokenize_train
+from cl_bench.data import Encoder, collate, tokenize_train
 from cl_bench.errors import UserError
 from cl_bench.evaluation import evaluate_task
 from cl_bench.method import Method, MethodContext, Phase, Stage
 from cl_bench.metrics.cl import summarise
 from cl_bench.models.loading import load
+from cl_bench.probes import RepresentationProbe, expert_sharpness
 from cl_bench.replay import ReplayBuffer
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class Run:
     predictions: list[dict] = field(default_factory=list)
     optimizer: torch.optim.Optimizer | None = None
     progress: bool = True
+    probe: RepresentationProbe | None = None  # eval.cka_probe > 0
 
     @property
     def cache_dir(self) -> Path | None:
@@ -123,6 +125,8 @@ def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: 
         record = _new_record(config, method, method_args, loaded.info, tasks, stages, command, backend)
     run = Run(config, run_dir, method, tasks, stages, encoder, backend, record, replay, sources,
               progress=progress and backend.is_main)
+    if config.eval.cka_probe:
+        run.probe = RepresentationProbe(config.eval.cka_probe, config.eval.cka_probe_tokens)
     if resume_dir is not None:
         _restore(run, command)
     backend.barrier()  # every rank has read what rank 0 is about to rewrite
@@ -197,6 +201,7 @@ def _checkpoint(run: Run, stage_index: int) -> None:
         "optimizer": None,
         "rng": results.rng_state(),
         "replay": run.replay.state_dict(),
+        "probe": run.probe.state_dict() if run.probe is not None else None,
     }
     if run.optimizer is not None:
         state["optimizer"] = {
@@ -217,8 +222,13 @@ def _restore(run: Run, command: str) -> None:
         run.optimizer.load_state_dict(state["optimizer"]["state"])
     results.set_rng_state(state["rng"])
     run.replay.load_state_dict(state["replay"], run.replay_sources)
+    if run.probe is not None and state.get("probe") is not None:
+        run.probe.load_state_dict(state["probe"])
     done = state["stage"] + 1
     rec = run.record
+    for kind in (rec.get("probes") or {}).values():  # what the interrupted stage recorded
+        for key in [k for k in kind if int(k) >= done]:
+            del kind[key]
     # Drop whatever the interrupted stage wrote after its checkpoint.
     rec["stages_done"] = done
     rec["params"] = rec["params"][:done]
@@ -319,6 +329,22 @@ def _train_phase(run: Run, stage: Stage, phase: Phase, desc: str, log_rows: list
     return n_steps, replayed
 
 
+def _probe(run: Run, stage: Stage, trained: list) -> None:
+    """The optional analyses of eval: CKA per layer of each trained task since it
+    was learned (every stage), expert sharpness (after the last stage)."""
+    probes = run.record.setdefault("probes", {})
+    model, ev = run.method.model, run.config.eval
+    if run.probe is not None:
+        probes.setdefault("cka", {})[str(stage.index)] = run.probe.after_stage(model, run.encoder, trained)
+    if ev.sharpness and stage.index == len(run.stages) - 1:
+        rows = [run.encoder.train_example(e.prompt, e.answer) for e in stage.tasks[-1].test[:ev.sharpness]]
+        batch = {k: v.to(run.backend.device)
+                 for k, v in collate(rows, run.encoder.tokenizer.pad_token_id).items()}
+        probes.setdefault("sharpness", {})[str(stage.index)] = expert_sharpness(model, batch, ev.sharpness_iters)
+    if not probes:
+        del run.record["probes"]
+
+
 def _run_stage(run: Run, stage: Stage) -> None:
     rec, method = run.record, run.method
     n_stages = len(run.stages)
@@ -351,6 +377,7 @@ def _run_stage(run: Run, stage: Stage) -> None:
         rec["task_metrics"].append({"stage": stage.index, "task": run.tasks[j].name, **ev.details})
         run.predictions.extend({"stage": stage.index, **row} for row in ev.rows)
     rec["params"].append({"stage": stage.index, **method.param_report()})
+    _probe(run, stage, [run.tasks[j] for j in trained])
     rec["timing"]["stages"].append({"stage": stage.index, "train_s": round(train_s, 2),
                                     "eval_s": round(eval_s, 2), "steps": n_steps,
                                     "peak_rss_mb": round(peak_rss_mb(), 1)})

@@ -111,3 +111,26 @@ def test_lanczos_finds_the_largest_magnitude_eigenvalue_where_power_iteration_st
     matrix = q @ torch.diag(values) @ q.T
     eig, residual = _lanczos_top(lambda v: (matrix @ v.double()).float(), torch.randn(40, generator=g), 25)
     assert eig == pytest.approx(-3.0, rel=1e-4) and residual < 1e-3
+
+
+def test_a_run_with_probes_records_them_survives_resume_and_analyze_draws_them(trace_dir, tmp_path,
+                                                                                monkeypatch):
+    from conftest import interrupted_run, only_run, run_cli, smoke_args
+
+    probes = ("--set", "eval.cka_probe=2", "--set", "eval.sharpness=2", "--set", "eval.sharpness_iters=3")
+    straight = tmp_path / "straight"
+    assert run_cli(*smoke_args(trace_dir, straight, "--method", "upcycle", *probes)) == 0
+    record = json.loads((only_run(straight) / "run.json").read_text())
+    cka = record["probes"]["cka"]
+    assert cka["0"] == {} and list(cka["2"]) == ["NumGLUE-cm", "Py150"]  # smoke order's first two
+    assert all(0 <= v <= 1.0 + 1e-6 for vals in cka["2"].values() for v in vals)
+    assert list(record["probes"]["sharpness"]) == ["2"] and len(record["probes"]["sharpness"]["2"]) == 2 * 8
+
+    broken = tmp_path / "broken"
+    run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, broken, "--method", "upcycle", *probes),
+                              at_stage=2)
+    assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
+    assert json.loads((run_dir / "run.json").read_text())["probes"] == record["probes"]
+
+    assert run_cli("analyze", str(only_run(straight))) == 0
+    assert {p.name for p in only_run(straight).glob("*.png")} == {"heatmap.png", "cka.png", "sharpness.png"}
