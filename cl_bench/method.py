@@ -123,6 +123,18 @@ class Method:
     def before_phase(self, stage: Stage, phase: Phase) -> None:
         """Called before each phase trains, after before_task (change what trains)."""
 
+    def stage_steps(self, stage: Stage) -> int | None:
+        """Optimiser steps one phase of `stage` takes, as the sequencer batches it
+        (epoch e holds the tasks with more than e epochs; TRACE's extra replay epoch
+        not counted); None without a context (`cl-bench params`). For methods that
+        fit a schedule to the task's length."""
+        if self.ctx is None or not stage.tasks:
+            return None
+        t = self.ctx.config.train
+        epochs = [t.epochs_for(task.name) for task in stage.tasks]
+        return sum(-(-sum(len(task.train) for task, n in zip(stage.tasks, epochs) if e < n) // t.batch_size)
+                   for e in range(max(epochs)))
+
     def param_groups(self) -> list[dict]:
         return [{"params": [p for p in self.model.parameters() if p.requires_grad]}]
 

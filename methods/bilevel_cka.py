@@ -331,7 +331,7 @@ class BilevelCKA(Upcycle):
         clones = {id(p) for net in nets.values() for p in net.clones.parameters()}
         snapshot = {n: p.detach().clone() for n, p in self.model.named_parameters()
                     if p.requires_grad and id(p) not in clones}
-        n_steps = self._task_steps(stage)
+        n_steps = self.stage_steps(stage)
         every, _, decay = mask_schedule(n_steps, a)
         seed = self.ctx.config.seed if self.ctx is not None else 0
         generator = torch.Generator().manual_seed(
@@ -347,16 +347,6 @@ class BilevelCKA(Upcycle):
             logits = nn.Parameter(init.to(self._device()))
             optimizer = torch.optim.Adam([logits], lr=a.mask_lr)
         self._task = _Task(nets, snapshot, generator, n_steps, every, decay, logits, optimizer, a.tau0)
-
-    def _task_steps(self, stage: Stage) -> int | None:
-        """Optimiser steps the stage will take (as the sequencer batches it), or None
-        without a context (param_schedule)."""
-        if self.ctx is None or not stage.tasks:
-            return None
-        t = self.ctx.config.train
-        epochs = [t.epochs_for(task.name) for task in stage.tasks]
-        return sum(-(-sum(len(task.train) for task, n in zip(stage.tasks, epochs) if e < n) // t.batch_size)
-                   for e in range(max(epochs)))
 
     def optimizer_for_stage(self, stage, previous):
         self._optimizer = super().optimizer_for_stage(stage, previous)

@@ -444,7 +444,7 @@ class CaRE(Method):
             self._shared_task0 = self._shared_start
         self._anchor = ([p.detach().clone() for p in self._shared_params()]
                         if t >= 1 and self.args.anchor > 0 else None)
-        self._n_steps = self._task_steps(stage)
+        self._n_steps = self.stage_steps(stage)
         self._record = {}
         self._labels, self._centroids = {}, None
         if self.ctx is not None and stage.tasks:
@@ -463,15 +463,6 @@ class CaRE(Method):
     def _shared_vector(self) -> torch.Tensor:
         flat = torch.cat([p.detach().float().flatten() for p in self._shared_params()])
         return flat if flat.is_meta else flat.cpu()  # meta: `cl-bench params` (shapes only)
-
-    def _task_steps(self, stage: Stage) -> int | None:
-        """Optimiser steps the stage takes (as the sequencer batches it); None without a context."""
-        if self.ctx is None or not stage.tasks:
-            return None
-        t = self.ctx.config.train
-        epochs = [t.epochs_for(task.name) for task in stage.tasks]
-        return sum(-(-sum(len(task.train) for task, n in zip(stage.tasks, epochs) if e < n) // t.batch_size)
-                   for e in range(max(epochs)))
 
     def _encoder(self) -> Encoder:
         return Encoder.from_config(self.ctx.tokenizer, self.ctx.config.train)
