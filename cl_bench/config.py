@@ -52,6 +52,8 @@ class EvalConfig:
     cka_probe_tokens: int = 512  # at most this many of their tokens
     sharpness: int = 0  # test examples of the last task for expert sharpness after the last stage; 0: off
     sharpness_iters: int = 10  # Lanczos steps (Hessian-vector products) per expert
+    sharpness_layers: list[int] | None = None  # decoder layer indices to probe (None: every MoE layer);
+    #                                            cost ~ layers x experts x iters backward passes
 
 
 @dataclass

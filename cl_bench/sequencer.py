@@ -340,7 +340,8 @@ def _probe(run: Run, stage: Stage, trained: list) -> None:
         rows = [run.encoder.train_example(e.prompt, e.answer) for e in stage.tasks[-1].test[:ev.sharpness]]
         batch = {k: v.to(run.backend.device)
                  for k, v in collate(rows, run.encoder.tokenizer.pad_token_id).items()}
-        probes.setdefault("sharpness", {})[str(stage.index)] = expert_sharpness(model, batch, ev.sharpness_iters)
+        probes.setdefault("sharpness", {})[str(stage.index)] = expert_sharpness(
+            model, batch, ev.sharpness_iters, ev.sharpness_layers)
     if not probes:
         del run.record["probes"]
 

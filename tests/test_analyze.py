@@ -98,6 +98,11 @@ def test_expert_sharpness_finds_an_eigenpair_of_each_experts_hessian_block(setup
             assert r["grad_norm"] == 0 and r["top_hessian_eig"] == 0
         if r["top_hessian_eig"] != 0:
             assert r["residual"] < 1e-3 * abs(r["top_hessian_eig"])  # converged to an eigenpair
+    only_second = expert_sharpness(model, batch, iters=30, layers=[1])  # eval.sharpness_layers
+    second = [r for r in out if r["layer"] == 1]
+    assert [(r["expert"], r["grad_norm"]) for r in only_second] == [(r["expert"], r["grad_norm"]) for r in second]
+    assert [r["top_hessian_eig"] for r in only_second] == pytest.approx([r["top_hessian_eig"] for r in second],
+                                                                        rel=1e-5)  # other Lanczos starts
     assert sum(r["top_hessian_eig"] != 0 for r in out) >= 8
 
 
@@ -117,7 +122,8 @@ def test_a_run_with_probes_records_them_survives_resume_and_analyze_draws_them(t
                                                                                 monkeypatch):
     from conftest import interrupted_run, only_run, run_cli, smoke_args
 
-    probes = ("--set", "eval.cka_probe=2", "--set", "eval.sharpness=2", "--set", "eval.sharpness_iters=3")
+    probes = ("--set", "eval.cka_probe=2", "--set", "eval.sharpness=2", "--set", "eval.sharpness_iters=3",
+              "--set", "eval.sharpness_layers=[0,1]")
     straight = tmp_path / "straight"
     assert run_cli(*smoke_args(trace_dir, straight, "--method", "upcycle", *probes)) == 0
     record = json.loads((only_run(straight) / "run.json").read_text())
