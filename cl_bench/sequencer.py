@@ -113,7 +113,7 @@ def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: 
 
     torch.manual_seed(config.seed)
     device = backend.device
-    loaded = load(config.model, config.seed, device)
+    loaded = load(config.model, config.seed, device, progress=progress and backend.is_main)
     encoder = Encoder.from_config(loaded.tokenizer, config.train)
     ctx = MethodContext(config=config, device=device, tokenizer=loaded.tokenizer, all_tasks=tasks)
     method = method_cls(method_args, ctx)

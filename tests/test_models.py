@@ -46,3 +46,17 @@ def test_local_directory_round_trip(tmp_path):
     again = load(str(tmp_path), 0)
     assert torch.equal(again.model.lm_head.weight, tiny.model.lm_head.weight)
     assert again.info["sha256"]
+
+
+def test_quiet_loading_silences_transformers_bars_and_restores_them():
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    from cl_bench.models.loading import _bars
+
+    original = gguf_utils.tqdm
+    with _bars(True):
+        assert gguf_utils.tqdm is original and hf_logging.is_progress_bar_enabled()
+    with _bars(False):
+        assert gguf_utils.tqdm([]).disable and not hf_logging.is_progress_bar_enabled()
+    assert gguf_utils.tqdm is original and hf_logging.is_progress_bar_enabled()

@@ -4,6 +4,8 @@ configurations built on the meta device (no weights) for parameter accounting.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -114,8 +116,29 @@ def meta_model(name: str) -> nn.Module:
         return LlamaForCausalLM(LlamaConfig(**KNOWN_CONFIGS[name]))
 
 
-def load(spec: str, seed: int, device: torch.device | str = "cpu") -> LoadedModel:
-    """Load `spec` as a causal LM in fp32 (bf16 is the GPU backends' business)."""
+@contextlib.contextmanager
+def _bars(show: bool):
+    """With show=False, no transformers progress bar for the duration: its logging
+    switch covers weight loading; the GGUF reader draws a plain tqdm, deaf to that
+    switch, so it gets a disabled one."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    original, enabled = gguf_utils.tqdm, hf_logging.is_progress_bar_enabled()
+    if not show:
+        gguf_utils.tqdm = functools.partial(original, disable=True)
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def load(spec: str, seed: int, device: torch.device | str = "cpu", progress: bool = True) -> LoadedModel:
+    """Load `spec` as a causal LM in fp32 (bf16 is the GPU backends' business);
+    progress=False silences transformers' bars."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if spec == TINY:
@@ -149,8 +172,9 @@ def load(spec: str, seed: int, device: torch.device | str = "cpu") -> LoadedMode
             raise UserError(f"unknown model '{spec}': not a built-in name ({', '.join(builtin_names())}), "
                             f"an existing directory, or a hub id like 'org/name'")
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(source), **kwargs)
-            model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32, **kwargs)
+            with _bars(progress):
+                tokenizer = AutoTokenizer.from_pretrained(str(source), **kwargs)
+                model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32, **kwargs)
         except OSError as exc:
             raise UserError(f"cannot load model '{spec}' ({str(exc).splitlines()[0]}); check the "
                             f"path, or that the hub is reachable for a hub id") from None
