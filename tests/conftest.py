@@ -58,23 +58,28 @@ def only_run(out: Path) -> Path:
     return run_dir
 
 
-def interrupted_run(monkeypatch, *argv, at_stage: int) -> Path:
+def interrupted_run(monkeypatch, *argv, at_stage: int, backend: type | None = None) -> Path:
     """Run the CLI, raising KeyboardInterrupt (Ctrl-C) while stage `at_stage`
-    (0-based) trains; returns the run folder, whose finished stages are saved."""
-    from cl_bench.backends.torch_backend import TorchBackend
+    (0-based) trains on `backend` (a Backend class; default TorchBackend), on every
+    rank; returns the run folder, whose finished stages are saved."""
+    import torch
 
-    real = TorchBackend.train_stage
+    if backend is None:
+        from cl_bench.backends.torch_backend import TorchBackend as backend
+    real = backend.train_stage
 
     def interrupt(self, method, optimizer, stage, *args, **kwargs):
         if stage.index == at_stage:
             raise KeyboardInterrupt
         return real(self, method, optimizer, stage, *args, **kwargs)
 
-    monkeypatch.setattr(TorchBackend, "train_stage", interrupt)
+    monkeypatch.setattr(backend, "train_stage", interrupt)
     try:
         assert run_cli(*argv) == 130
     finally:
-        monkeypatch.setattr(TorchBackend, "train_stage", real)
+        monkeypatch.setattr(backend, "train_stage", real)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # with several ranks: until rank 0 has written the record
     argv = [str(a) for a in argv]
     return only_run(Path(argv[argv.index("--output-dir") + 1]))
 

@@ -18,7 +18,7 @@ import torch
 
 from cl_bench import results
 from cl_bench.errors import UserError
-from conftest import only_run, run_cli, smoke_args
+from conftest import interrupted_run, only_run, run_cli, smoke_args
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_RTOL = 1e-5
@@ -39,25 +39,10 @@ def deepspeed_args(tmp_path: Path, zero: int) -> list[str]:
 
 
 def interrupted_ds_run(monkeypatch, *argv, at_stage: int) -> Path:
-    """conftest.interrupted_run for the deepspeed backend: Ctrl-C while stage
-    `at_stage` trains (on every rank); returns the run folder."""
+    """conftest.interrupted_run on the deepspeed backend."""
     from cl_bench.backends.deepspeed_backend import DeepSpeedBackend
 
-    real = DeepSpeedBackend.train_stage
-
-    def interrupt(self, method, optimizer, stage, *args, **kwargs):
-        if stage.index == at_stage:
-            raise KeyboardInterrupt
-        return real(self, method, optimizer, stage, *args, **kwargs)
-
-    monkeypatch.setattr(DeepSpeedBackend, "train_stage", interrupt)
-    try:
-        assert run_cli(*argv) == 130
-    finally:
-        monkeypatch.setattr(DeepSpeedBackend, "train_stage", real)
-    torch.distributed.barrier()  # with several ranks: until rank 0 has written the record
-    argv = [str(a) for a in argv]
-    return only_run(Path(argv[argv.index("--output-dir") + 1]))
+    return interrupted_run(monkeypatch, *argv, at_stage=at_stage, backend=DeepSpeedBackend)
 
 
 def log_rows(run_dir: Path) -> list[dict]:
