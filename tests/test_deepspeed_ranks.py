@@ -64,6 +64,11 @@ def _launch_env() -> dict:
     return env
 
 
+def _shm_buffers() -> set[Path]:
+    """DeepSpeed's CPU all-reduce buffers; the backend unlinks each rank's own."""
+    return set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+
+
 def test_two_ranks_agree_with_one(tmp_path):
     out = tmp_path / "ranks"
     make_trace(out / "trace")
@@ -96,9 +101,11 @@ def test_cli_starts_its_ranks_and_only_rank_zero_speaks(trace_dir, tmp_path):
     out = tmp_path / "runs"
     argv = [a for a in smoke_args(trace_dir, out, "--method", "upcycle", "--nproc", "2", "--run-id", "r",
                                   "--keep-checkpoint", *deepspeed_args(tmp_path, 3)) if a != "--no-progress"]
+    before = _shm_buffers()
     done = subprocess.run([sys.executable, "-m", "cl_bench.cli", *map(str, argv)], env=_launch_env(),
                           capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert _shm_buffers() <= before  # no shared-memory buffer left behind
     text = done.stdout + done.stderr
     for b, task in enumerate(["NumGLUE-cm", "Py150", "20Minuten"]):
         assert text.count(f"stage {b + 1}/3 [{task}] done in") == 1

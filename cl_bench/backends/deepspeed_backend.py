@@ -72,10 +72,25 @@ def _init_distributed(deepspeed, timeout: timedelta) -> None:
         return
     if "RANK" in os.environ:
         deepspeed.init_distributed(timeout=timeout)
+        _unlink_shm_buffer()
     else:
         os.environ.setdefault("LOCAL_RANK", "0")  # the engine asserts it is set
         deepspeed.init_distributed(auto_mpi_discovery=False, init_method=f"tcp://127.0.0.1:{free_port()}",
                                    rank=0, world_size=1, timeout=timeout)
+
+
+def _unlink_shm_buffer() -> None:
+    """DeepSpeed's CPU shared-memory all-reduce (ranks on one machine, LOCAL_SIZE set
+    by its launcher) creates /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
+    (~66 MB) per rank at init and never unlinks it, so every multi-rank CPU run would
+    leave them behind. Once every rank has passed the barrier, every rank has mapped
+    every buffer; each then unlinks its own name (the mappings stay valid)."""
+    name = Path("/dev/shm") / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+                               f"{os.environ.get('MASTER_PORT', '')}_{torch.distributed.get_rank()}")
+    if torch.cuda.is_available():
+        return
+    torch.distributed.barrier()
+    name.unlink(missing_ok=True)
 
 
 def load_ds_file(path: str) -> dict[str, Any]:
