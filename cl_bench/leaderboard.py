@@ -34,11 +34,15 @@ PARAMS = (
     ("active_per_token", "Active/token"),
     ("deployed", "Deployed"),
 )
+# Added: deployed minus the base model's parameters; Expansion: the mean over stages of a
+# method's reported expansion_rate (share of candidate experts expanded), where it reports one
+EXTRA = ["Added", "Expansion"]
 GROUP_KEYS = ["Method", "Args", "Model", "Profile", "Order", "Reference"]
 COLUMNS = (
     ["Method", "Args", "Model", "Profile", "Tasks", "Order", "Reference", "Runs"]
     + [f"{stem} {stat_}" for _, stem in SCORES for stat_ in ("mean", "std")]
     + [col for _, col in PARAMS]
+    + EXTRA
     + ["Wall time (min)"]
 )
 
@@ -128,6 +132,10 @@ def _flatten(run: dict) -> dict:
     }
     row.update({stem: summary.get(key) for key, stem in SCORES})
     row.update({col: last.get(key) for key, col in PARAMS})
+    base = (run.get("model") or {}).get("n_params")
+    row["Added"] = None if base is None or last.get("deployed") is None else last["deployed"] - base
+    rates = [p["expansion_rate"] for p in params if p.get("expansion_rate") is not None]
+    row["Expansion"] = sum(rates) / len(rates) if rates else None
     return row
 
 
@@ -142,7 +150,7 @@ def build_table(runs: list[dict]) -> pd.DataFrame:
     if not runs:
         return pd.DataFrame(columns=COLUMNS)
     flat = pd.DataFrame([_flatten(run) for run in runs])
-    for col in [stem for _, stem in SCORES] + [col for _, col in PARAMS] + ["Wall time (min)"]:
+    for col in [stem for _, stem in SCORES] + [col for _, col in PARAMS] + EXTRA + ["Wall time (min)"]:
         flat[col] = pd.to_numeric(flat[col], errors="coerce")  # all-null columns would stay object
     for key, group in flat.groupby(GROUP_KEYS, sort=False, dropna=False):
         seeds = group["Seed"].dropna()
@@ -154,10 +162,10 @@ def build_table(runs: list[dict]) -> pd.DataFrame:
     for _, stem in SCORES:
         agg[f"{stem} mean"] = (stem, "mean")
         agg[f"{stem} std"] = (stem, "std")
-    agg.update({col: (col, "first") for _, col in PARAMS})
+    agg.update({col: (col, "first") for col in [c for _, c in PARAMS] + EXTRA})
     agg["Wall time (min)"] = ("Wall time (min)", "mean")
     table = flat.groupby(GROUP_KEYS, sort=False, dropna=False).agg(**agg).reset_index()
-    for _, col in PARAMS:
+    for col in [c for _, c in PARAMS] + ["Added"]:
         table[col] = table[col].astype("Int64")
     table = table.sort_values(
         ["Reference", "Last Acc mean", "Method"], ascending=[True, False, True], na_position="last"
@@ -187,13 +195,14 @@ def _score_cell(mean, std) -> str:
 
 def _display_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     headers = ["Method", "Model", "Profile", "Tasks", "Runs"] + [stem for _, stem in SCORES]
-    headers += [col for _, col in PARAMS] + ["Wall time (min)"]
+    headers += [col for _, col in PARAMS] + EXTRA + ["Wall time (min)"]
     rows = []
     for rec, label in zip(df.to_dict("records"), _method_labels(df)):
         method = f"{label} (reference)" if rec["Reference"] else label
         row = [method, str(rec["Model"]), str(rec["Profile"]), str(rec["Tasks"]), str(rec["Runs"])]
         row += [_score_cell(rec[f"{stem} mean"], rec[f"{stem} std"]) for _, stem in SCORES]
-        row += [humanise(rec[col]) for _, col in PARAMS]
+        row += [humanise(rec[col]) for col in [c for _, c in PARAMS] + ["Added"]]
+        row.append(MISSING if pd.isna(rec["Expansion"]) else f"{100 * rec['Expansion']:.0f}%")
         wall = rec["Wall time (min)"]
         row.append(MISSING if pd.isna(wall) else f"{wall:.1f}")
         rows.append(row)

@@ -26,7 +26,7 @@ def make_run(run_id, method="seqft", seed=1, last=40.0, stage=60.0, bwt=-10.0, t
         ]
     return {
         "schema_version": 1, "run_id": run_id, "status": status, "method": method, "method_args": args or {},
-        "reference": reference, "model": {"id": model}, "profile": "cpu", "tasks": list(tasks), "seed": seed,
+        "reference": reference, "model": {"id": model, "n_params": M135}, "profile": "cpu", "tasks": list(tasks), "seed": seed,
         "matrix": [[None] * len(tasks)] * len(tasks),
         "summary": {"last_acc": last, "stage_acc": stage, "bwt": bwt, "fwt": None, "forgetting": None},
         "params": params, "timing": {"total_s": total_s},
@@ -116,7 +116,7 @@ def test_markdown_shows_mean_pm_std_only_for_several_runs(runs_dir):
     seqft = next(line for line in lines if line.startswith("| seqft"))
     cells = [c.strip() for c in seqft.strip("|").split("|")]
     assert cells == ["seqft", "smollm2-135m", "cpu", "3", "2", "45.0 ± 7.1", "61.0 ± 1.4", "-12.0 ± 2.8",
-                     "134.5M", "1.24B", "134.5M", "134.5M", "15.0"]
+                     "134.5M", "1.24B", "134.5M", "134.5M", "0", "–", "15.0"]
     ewc = [c.strip() for c in next(line for line in lines if line.startswith("| ewc")).strip("|").split("|")]
     assert ewc[5:8] == ["55.0", "58.0", "–"]  # one run: no ±; null BWT: en dash
 
@@ -259,7 +259,7 @@ def test_nulls_everywhere_render_as_dashes(tmp_path):
     write(tmp_path, make_run("a", last=None, stage=None, bwt=None, total_s=None, params=[]))
     df = build_table(load_runs(tmp_path))
     cells = [c.strip() for c in format_table(df, "md").strip().splitlines()[-1].strip("|").split("|")]
-    assert cells[5:] == ["–"] * 8
+    assert cells[5:] == ["–"] * 10
 
 
 def test_a_sweep_gives_one_row_per_argument_set_labelled_by_what_differs(tmp_path):
@@ -284,3 +284,14 @@ def test_exclude_skips_matching_run_folders(tmp_path):
     assert [r["method"] for r in load_runs(d, ["sweeps/*"])] == ["seqft"]
     assert [r["method"] for r in load_runs(d, ["sweeps"])] == ["seqft"]
     assert len(load_runs(d)) == 2
+
+
+def test_added_parameters_and_the_mean_expansion_rate_over_the_stages_that_report_one(tmp_path):
+    grown = [{"stage": b, "total": M135 + 1500 * b, "trainable": 1, "active_per_token": M135,
+              "deployed": M135 + 1500 * b, "experts_per_layer": [8 + b], "expansion_rate": rate}
+             for b, rate in enumerate([None, 0.5, 0.25])]
+    write(tmp_path, make_run("moe", method="bilevel-cka", params=grown))
+    df = build_table(load_runs(tmp_path))
+    assert row(df, "bilevel-cka")["Added"] == 3000 and row(df, "bilevel-cka")["Expansion"] == 0.375
+    cells = [c.strip() for c in format_table(df, "md").strip().splitlines()[-1].strip("|").split("|")]
+    assert cells[-3:] == ["3.0K", "38%", "10.0"]
