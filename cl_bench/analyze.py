@@ -12,10 +12,17 @@ beside it. Each figure is drawn when the record holds its data:
   under 5% of the routing assignments hollow (runs with eval.sharpness > 0).
 
 Nothing is recomputed from a model: the figures show what the run recorded.
+
+`--against OTHER_RUN` also compares the cost of the two runs' stages (same task
+order and profile) from their records' timing: training seconds per optimiser
+step per stage (set-up of the stage included, so a method's per-task search
+shows) and peak resident memory, with the ratios run / other and their median
+over the stages compared; written as cost-vs-<other run id>.json.
 """
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from cl_bench.errors import UserError
@@ -126,8 +133,7 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def analyze(run_dir: Path) -> list[Path]:
-    """Write every figure the record of `run_dir` supports; returns their paths."""
+def _record(run_dir: Path) -> dict:
     record_path = Path(run_dir) / RUN_FILE
     if not record_path.is_file():
         raise UserError(f"{record_path} not found; pass a run folder (the one holding run.json)")
@@ -137,9 +143,50 @@ def analyze(run_dir: Path) -> list[Path]:
         raise UserError(f"{record_path}: not valid JSON ({exc})") from exc
     if not record.get("stages_done"):
         raise UserError(f"{record_path}: no stage finished yet; nothing to draw")
+    return record
+
+
+def cost(run_dir: Path, other_dir: Path, from_stage: int = 0) -> dict:
+    """The stage costs of `run_dir` against `other_dir` (module docstring), over
+    the stages from `from_stage` that both finished."""
+    run, other = _record(run_dir), _record(other_dir)
+    for key in ("tasks", "profile"):
+        if run.get(key) != other.get(key):
+            raise UserError(f"{Path(other_dir) / RUN_FILE}: field {key} is {other.get(key)!r}, but "
+                            f"{Path(run_dir) / RUN_FILE} has {run.get(key)!r}; compare runs of one profile "
+                            f"and task order")
+    timing = [{s["stage"]: s for s in r["timing"]["stages"]} for r in (run, other)]
+    stages = sorted(b for b in set(timing[0]) & set(timing[1]) if b >= from_stage)
+    if not stages:
+        raise UserError(f"no stage from {from_stage} on finished in both {run_dir} and {other_dir}")
+    rows = []
+    for b in stages:
+        a, o = timing[0][b], timing[1][b]
+        step_a, step_o = a["train_s"] / a["steps"], o["train_s"] / o["steps"]
+        rows.append({"stage": b, "task": run["stages"][b]["label"], "s_per_step": step_a,
+                     "other_s_per_step": step_o, "step_ratio": step_a / step_o,
+                     "peak_rss_mb": a.get("peak_rss_mb"), "other_peak_rss_mb": o.get("peak_rss_mb")})
+    peak = [max(r[k] for r in rows) if all(r[k] for r in rows) else None
+            for k in ("peak_rss_mb", "other_peak_rss_mb")]
+    return {"run": run["run_id"], "other": other["run_id"], "from_stage": from_stage, "stages": rows,
+            "median_step_ratio": statistics.median(r["step_ratio"] for r in rows),
+            "peak_rss_mb": peak[0], "other_peak_rss_mb": peak[1],
+            "peak_rss_ratio": peak[0] / peak[1] if all(peak) else None,
+            "note": "peak_rss_mb: the process's peak resident memory by the end of each stage"}
+
+
+def analyze(run_dir: Path, against: Path | None = None, from_stage: int = 0) -> list[Path]:
+    """Write every figure the record of `run_dir` supports (and, with `against`,
+    the cost comparison); returns their paths."""
+    record = _record(run_dir)
     out = [heatmap(record, run_dir / "heatmap.png")]
     for draw, name in ((decisions, "decisions.png"), (cka, "cka.png"), (sharpness, "sharpness.png")):
         drawn = draw(record, run_dir / name)
         if drawn is not None:
             out.append(drawn)
+    if against is not None:
+        result = cost(run_dir, against, from_stage)
+        path = run_dir / f"cost-vs-{result['other']}.json"
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        out.append(path)
     return out

@@ -203,7 +203,7 @@ def cmd_leaderboard(args) -> int:
 def cmd_analyze(args) -> int:
     from cl_bench.analyze import analyze
 
-    for path in analyze(args.run_dir):
+    for path in analyze(args.run_dir, args.against, args.from_stage):
         print(path)
     return 0
 
@@ -312,6 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("analyze", help="figures from a run record (heatmap, decisions, CKA, sharpness), "
                                        "written beside it")
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    p.add_argument("--against", type=Path, metavar="OTHER_RUN",
+                   help="also compare step time and peak memory with this run (cost-vs-<id>.json)")
+    p.add_argument("--from-stage", type=int, default=0, metavar="B",
+                   help="--against: compare stages B.. (0-based; 1 skips a first task both train alike)")
     p = sub.add_parser("score", help="score predictions made elsewhere")
     p.add_argument("--task", required=True, help="TRACE task name, e.g. 20Minuten")
     p.add_argument("--predictions", type=Path, required=True,

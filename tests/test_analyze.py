@@ -71,6 +71,30 @@ def test_analyze_draws_what_the_record_holds(tmp_path):
     assert [p.name for p in analyze(full)] == names and all(_png(full / n) for n in names)
 
 
+def test_cost_against_another_run_divides_seconds_per_step_stage_by_stage(tmp_path):
+    from cl_bench.analyze import cost
+
+    def timed(run_id, secs, peaks, **extra):
+        folder = tmp_path / run_id
+        folder.mkdir()
+        stages = [{"stage": b, "train_s": s, "eval_s": 1.0, "steps": 4, "peak_rss_mb": m}
+                  for b, (s, m) in enumerate(zip(secs, peaks))]
+        (folder / "run.json").write_text(json.dumps(_record(run_id=run_id, profile="cpu",
+                                                            timing={"stages": stages}, **extra)))
+        return folder
+
+    search, base = timed("search", [8.0, 12.0], [100.0, 300.0]), timed("base", [8.0, 6.0], [100.0, 150.0])
+    out = cost(search, base, from_stage=1)
+    assert [r["stage"] for r in out["stages"]] == [1] and out["stages"][0]["s_per_step"] == 3.0
+    assert out["median_step_ratio"] == 2.0 and out["peak_rss_ratio"] == 2.0
+    assert cost(search, base)["median_step_ratio"] == 1.5  # median of 1.0 and 2.0
+    paths = analyze(search, against=base, from_stage=1)
+    assert json.loads((search / "cost-vs-base.json").read_text()) == out and paths[-1].name == "cost-vs-base.json"
+    other_order = timed("other", [1.0, 1.0], [1.0, 1.0], tasks=["B", "A"])
+    with pytest.raises(UserError, match="field tasks"):
+        cost(search, other_order)
+
+
 def test_analyze_names_a_missing_or_unfinished_record(tmp_path):
     with pytest.raises(UserError, match="run.json not found"):
         analyze(tmp_path)
