@@ -17,7 +17,11 @@ Nothing is recomputed from a model: the figures show what the run recorded.
 order and profile) from their records' timing: training seconds per optimiser
 step per stage (set-up of the stage included, so a method's per-task search
 shows) and peak resident memory, with the ratios run / other and their median
-over the stages compared; written as cost-vs-<other run id>.json.
+over the stages compared; written as cost-vs-<other run id>.json. Two runs made
+under different machine load (threads, other jobs) differ by that load as well:
+`--calibrate-stage B` names a stage both runs compute identically (bilevel-cka's
+first task is plain upcycling, the same work as upcycle's) and also gives every
+step ratio divided by stage B's, which cancels the load factor.
 """
 from __future__ import annotations
 
@@ -146,7 +150,7 @@ def _record(run_dir: Path) -> dict:
     return record
 
 
-def cost(run_dir: Path, other_dir: Path, from_stage: int = 0) -> dict:
+def cost(run_dir: Path, other_dir: Path, from_stage: int = 0, calibrate_stage: int | None = None) -> dict:
     """The stage costs of `run_dir` against `other_dir` (module docstring), over
     the stages from `from_stage` that both finished."""
     run, other = _record(run_dir), _record(other_dir)
@@ -156,26 +160,41 @@ def cost(run_dir: Path, other_dir: Path, from_stage: int = 0) -> dict:
                             f"{Path(run_dir) / RUN_FILE} has {run.get(key)!r}; compare runs of one profile "
                             f"and task order")
     timing = [{s["stage"]: s for s in r["timing"]["stages"]} for r in (run, other)]
-    stages = sorted(b for b in set(timing[0]) & set(timing[1]) if b >= from_stage)
+    both = set(timing[0]) & set(timing[1])
+    stages = sorted(b for b in both if b >= from_stage)
     if not stages:
         raise UserError(f"no stage from {from_stage} on finished in both {run_dir} and {other_dir}")
+    if calibrate_stage is not None and calibrate_stage not in both:
+        raise UserError(f"--calibrate-stage {calibrate_stage}: not a stage both {run_dir} and {other_dir} "
+                        f"finished ({sorted(both)})")
+
+    def ratio(b: int) -> float:
+        a, o = timing[0][b], timing[1][b]
+        return (a["train_s"] / a["steps"]) / (o["train_s"] / o["steps"])
+
+    load = None if calibrate_stage is None else ratio(calibrate_stage)
     rows = []
     for b in stages:
         a, o = timing[0][b], timing[1][b]
-        step_a, step_o = a["train_s"] / a["steps"], o["train_s"] / o["steps"]
-        rows.append({"stage": b, "task": run["stages"][b]["label"], "s_per_step": step_a,
-                     "other_s_per_step": step_o, "step_ratio": step_a / step_o,
+        rows.append({"stage": b, "task": run["stages"][b]["label"], "s_per_step": a["train_s"] / a["steps"],
+                     "other_s_per_step": o["train_s"] / o["steps"], "step_ratio": ratio(b),
+                     **({} if load is None else {"calibrated_step_ratio": ratio(b) / load}),
                      "peak_rss_mb": a.get("peak_rss_mb"), "other_peak_rss_mb": o.get("peak_rss_mb")})
     peak = [max(r[k] for r in rows) if all(r[k] for r in rows) else None
             for k in ("peak_rss_mb", "other_peak_rss_mb")]
-    return {"run": run["run_id"], "other": other["run_id"], "from_stage": from_stage, "stages": rows,
-            "median_step_ratio": statistics.median(r["step_ratio"] for r in rows),
-            "peak_rss_mb": peak[0], "other_peak_rss_mb": peak[1],
-            "peak_rss_ratio": peak[0] / peak[1] if all(peak) else None,
-            "note": "peak_rss_mb: the process's peak resident memory by the end of each stage"}
+    out = {"run": run["run_id"], "other": other["run_id"], "from_stage": from_stage, "stages": rows,
+           "median_step_ratio": statistics.median(r["step_ratio"] for r in rows),
+           "peak_rss_mb": peak[0], "other_peak_rss_mb": peak[1],
+           "peak_rss_ratio": peak[0] / peak[1] if all(peak) else None,
+           "note": "peak_rss_mb: the process's peak resident memory by the end of each stage"}
+    if load is not None:
+        out.update(calibrate_stage=calibrate_stage, load_ratio=load,
+                   median_calibrated_step_ratio=statistics.median(r["calibrated_step_ratio"] for r in rows))
+    return out
 
 
-def analyze(run_dir: Path, against: Path | None = None, from_stage: int = 0) -> list[Path]:
+def analyze(run_dir: Path, against: Path | None = None, from_stage: int = 0,
+            calibrate_stage: int | None = None) -> list[Path]:
     """Write every figure the record of `run_dir` supports (and, with `against`,
     the cost comparison); returns their paths."""
     record = _record(run_dir)
@@ -185,7 +204,7 @@ def analyze(run_dir: Path, against: Path | None = None, from_stage: int = 0) -> 
         if drawn is not None:
             out.append(drawn)
     if against is not None:
-        result = cost(run_dir, against, from_stage)
+        result = cost(run_dir, against, from_stage, calibrate_stage)
         path = run_dir / f"cost-vs-{result['other']}.json"
         path.write_text(json.dumps(result, indent=1) + "\n")
         out.append(path)

@@ -203,7 +203,7 @@ def cmd_leaderboard(args) -> int:
 def cmd_analyze(args) -> int:
     from cl_bench.analyze import analyze
 
-    for path in analyze(args.run_dir, args.against, args.from_stage):
+    for path in analyze(args.run_dir, args.against, args.from_stage, args.calibrate_stage):
         print(path)
     return 0
 
@@ -316,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also compare step time and peak memory with this run (cost-vs-<id>.json)")
     p.add_argument("--from-stage", type=int, default=0, metavar="B",
                    help="--against: compare stages B.. (0-based; 1 skips a first task both train alike)")
+    p.add_argument("--calibrate-stage", type=int, metavar="B",
+                   help="--against: a stage both runs compute identically; ratios also divided by its "
+                        "ratio, cancelling a difference in machine load")
     p = sub.add_parser("score", help="score predictions made elsewhere")
     p.add_argument("--task", required=True, help="TRACE task name, e.g. 20Minuten")
     p.add_argument("--predictions", type=Path, required=True,

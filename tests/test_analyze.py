@@ -88,6 +88,11 @@ def test_cost_against_another_run_divides_seconds_per_step_stage_by_stage(tmp_pa
     assert [r["stage"] for r in out["stages"]] == [1] and out["stages"][0]["s_per_step"] == 3.0
     assert out["median_step_ratio"] == 2.0 and out["peak_rss_ratio"] == 2.0
     assert cost(search, base)["median_step_ratio"] == 1.5  # median of 1.0 and 2.0
+    slow = timed("slow", [16.0, 6.0], [100.0, 150.0])  # stage 0 (the same work) at half the speed
+    calibrated = cost(search, slow, from_stage=1, calibrate_stage=0)
+    assert calibrated["load_ratio"] == 0.5 and calibrated["median_calibrated_step_ratio"] == 4.0
+    with pytest.raises(UserError, match="calibrate-stage 5"):
+        cost(search, slow, calibrate_stage=5)
     paths = analyze(search, against=base, from_stage=1)
     assert json.loads((search / "cost-vs-base.json").read_text()) == out and paths[-1].name == "cost-vs-base.json"
     other_order = timed("other", [1.0, 1.0], [1.0, 1.0], tasks=["B", "A"])
