@@ -192,7 +192,7 @@ def _support(cls) -> str:
 def cmd_leaderboard(args) -> int:
     from cl_bench import leaderboard
 
-    table = leaderboard.build_table(leaderboard.load_runs(args.runs, args.exclude))
+    table = leaderboard.build_table(leaderboard.load_runs(args.runs, args.exclude, args.include))
     print(leaderboard.format_table(table, args.format), end="")
     if args.update_readme:
         leaderboard.update_readme(args.update_readme, leaderboard.format_table(table, "md"),
@@ -309,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="README markers <!-- SECTION:begin --> / <!-- SECTION:end --> (default leaderboard)")
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                    help="skip run folders matching GLOB, relative to --runs (repeatable), e.g. 'sweeps/*'")
+    p.add_argument("--include", action="append", default=[], metavar="GLOB",
+                   help="only run folders matching GLOB (repeatable), e.g. 'bilevel-cka-*'")
     p = sub.add_parser("analyze", help="figures from a run record (heatmap, decisions, CKA, sharpness), "
                                        "written beside it")
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR")

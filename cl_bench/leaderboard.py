@@ -47,9 +47,10 @@ COLUMNS = (
 )
 
 
-def load_runs(runs_dir: Path, exclude: list[str] = ()) -> list[dict]:
+def load_runs(runs_dir: Path, exclude: list[str] = (), include: list[str] = ()) -> list[dict]:
     """Every complete run under runs_dir (recursive), parsed, sorted by path,
-    except run folders matching a glob of `exclude` (relative to runs_dir).
+    except run folders matching a glob of `exclude` (relative to runs_dir); with
+    `include`, only run folders matching one of its globs.
 
     Each returned dict gains "_path" (the run.json it came from) so later errors
     can name the file. Incomplete runs are skipped with a warning.
@@ -57,9 +58,12 @@ def load_runs(runs_dir: Path, exclude: list[str] = ()) -> list[dict]:
     runs_dir = Path(runs_dir)
     if not runs_dir.is_dir():
         raise UserError(f"runs directory {runs_dir} does not exist; pass the folder holding <run-id>/run.json")
-    paths = [p for p in sorted(runs_dir.rglob("run.json")) if not _excluded(p.parent.relative_to(runs_dir), exclude)]
+    paths = [p for p in sorted(runs_dir.rglob("run.json")) if not _matches(p.parent.relative_to(runs_dir), exclude)
+             and (not include or _matches(p.parent.relative_to(runs_dir), include))]
     if not paths:
-        raise UserError(f"no run.json found under {runs_dir}; run `cl-bench run` first or point at the right folder")
+        chosen = f" matching {', '.join(include)}" if include else ""
+        raise UserError(f"no run.json{chosen} found under {runs_dir}; run `cl-bench run` first or point at the "
+                        f"right folder")
     runs, skipped = [], []
     for path in paths:
         run = _read_record(path)
@@ -76,7 +80,7 @@ def load_runs(runs_dir: Path, exclude: list[str] = ()) -> list[dict]:
     return runs
 
 
-def _excluded(folder: Path, globs) -> bool:
+def _matches(folder: Path, globs) -> bool:
     """`folder` (relative) or one of its parent folders matches a glob ('*' spans '/')."""
     import fnmatch
 

@@ -284,6 +284,11 @@ def test_exclude_skips_matching_run_folders(tmp_path):
     assert [r["method"] for r in load_runs(d, ["sweeps/*"])] == ["seqft"]
     assert [r["method"] for r in load_runs(d, ["sweeps"])] == ["seqft"]
     assert len(load_runs(d)) == 2
+    write(d, make_run("upcycle-a", method="upcycle"))
+    assert [r["method"] for r in load_runs(d, include=["upcycle-*", "sweeps/*"])] == ["ewc", "upcycle"]  # by path
+    assert [r["method"] for r in load_runs(d, ["sweeps"], include=["*-a"])] == ["seqft", "upcycle"]
+    with pytest.raises(UserError, match="matching nothing-\\*"):
+        load_runs(d, include=["nothing-*"])
 
 
 def test_added_parameters_and_the_mean_expansion_rate_over_the_stages_that_report_one(tmp_path):
