@@ -21,16 +21,19 @@ import torch
 def linear_cka(x: torch.Tensor, y: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     """CKA between x: [n, p] and y: [n, q] (rows are the same n examples); a scalar.
 
-    Computed in float32 at least, after scaling each side to unit Frobenius norm
-    (CKA does not change; the fourth powers below stay far from overflow for
-    large activations). Uses the Gram form when the n x n Gram matrices are the
-    cheaper ones, else the feature form. 0 when either side is constant."""
+    Computed in float64, after scaling each side to unit Frobenius norm (CKA does
+    not change; the fourth powers below stay far from overflow for large
+    activations). float32 is not enough: with SmolLM2's outlier features its
+    rounding over ~1,000 tokens gave CKA(X, X) = 1.0002. The result has the
+    inputs' dtype promoted to float32 at least, and carries gradient. Uses the Gram
+    form when the n x n Gram matrices are the cheaper ones, else the feature form.
+    0 when either side is constant."""
     if x.dim() != 2 or y.dim() != 2 or x.shape[0] != y.shape[0]:
         raise ValueError(f"linear_cka needs [n, p] and [n, q] with the same n; got {tuple(x.shape)} "
                          f"and {tuple(y.shape)}")
-    dtype = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
-    x = x.to(dtype)
-    y = y.to(dtype)
+    out_dtype = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
+    x = x.to(torch.float64)
+    y = y.to(torch.float64)
     x = x - x.mean(dim=0, keepdim=True)
     y = y - y.mean(dim=0, keepdim=True)
     x = x / x.norm().clamp_min(eps)
@@ -43,4 +46,4 @@ def linear_cka(x: torch.Tensor, y: torch.Tensor, eps: float = 1e-12) -> torch.Te
     else:
         cross = (y.T @ x).square().sum()  # ||Yc^T Xc||_F^2
         norm_x, norm_y = (x.T @ x).norm(), (y.T @ y).norm()
-    return cross / (norm_x * norm_y).clamp_min(eps)
+    return (cross / (norm_x * norm_y).clamp_min(eps)).to(out_dtype)

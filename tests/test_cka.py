@@ -28,6 +28,16 @@ def test_identical_inputs_give_one(n):
     assert float(linear_cka(x, x)) == pytest.approx(1.0, abs=1e-5)
 
 
+def test_a_dominant_direction_does_not_push_it_above_one():
+    """SmolLM2's deep layers have a direction ~1000x the rest (activations up to
+    2e4); in float32 the rounding over ~1,000 tokens gave CKA(X, X) = 1 + 2.5e-5
+    there, and 1 + 1.6e-5 on this stand-in. In float64 it is 1 to 1e-9."""
+    x = randn(1024, 1, seed=4) @ randn(1, 576, seed=5) * 1e3 + randn(1024, 576, seed=6)
+    assert abs(float(linear_cka(x, x)) - 1.0) < 1e-9
+    moved = x + 1e-3 * randn(1024, 576, seed=7)
+    assert float(linear_cka(x, moved)) <= 1.0 and linear_cka(x, moved).dtype == torch.float32
+
+
 @pytest.mark.parametrize("n", [6, 300])
 def test_invariant_to_orthogonal_transforms_and_isotropic_scaling(n):
     x, y = randn(n, 16, seed=1), randn(n, 16, seed=2)
