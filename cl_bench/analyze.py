@@ -160,6 +160,7 @@ def cost(run_dir: Path, other_dir: Path, from_stage: int = 0, calibrate_stage: i
                             f"{Path(run_dir) / RUN_FILE} has {run.get(key)!r}; compare runs of one profile "
                             f"and task order")
     timing = [{s["stage"]: s for s in r["timing"]["stages"]} for r in (run, other)]
+    per_step = [{b: s["train_s"] / s["steps"] for b, s in t.items()} for t in timing]
     both = set(timing[0]) & set(timing[1])
     stages = sorted(b for b in both if b >= from_stage)
     if not stages:
@@ -167,19 +168,13 @@ def cost(run_dir: Path, other_dir: Path, from_stage: int = 0, calibrate_stage: i
     if calibrate_stage is not None and calibrate_stage not in both:
         raise UserError(f"--calibrate-stage {calibrate_stage}: not a stage both {run_dir} and {other_dir} "
                         f"finished ({sorted(both)})")
-
-    def ratio(b: int) -> float:
-        a, o = timing[0][b], timing[1][b]
-        return (a["train_s"] / a["steps"]) / (o["train_s"] / o["steps"])
-
-    load = None if calibrate_stage is None else ratio(calibrate_stage)
-    rows = []
-    for b in stages:
-        a, o = timing[0][b], timing[1][b]
-        rows.append({"stage": b, "task": run["stages"][b]["label"], "s_per_step": a["train_s"] / a["steps"],
-                     "other_s_per_step": o["train_s"] / o["steps"], "step_ratio": ratio(b),
-                     **({} if load is None else {"calibrated_step_ratio": ratio(b) / load}),
-                     "peak_rss_mb": a.get("peak_rss_mb"), "other_peak_rss_mb": o.get("peak_rss_mb")})
+    ratio = {b: per_step[0][b] / per_step[1][b] for b in both}
+    load = None if calibrate_stage is None else ratio[calibrate_stage]
+    rows = [{"stage": b, "task": run["stages"][b]["label"], "s_per_step": per_step[0][b],
+             "other_s_per_step": per_step[1][b], "step_ratio": ratio[b],
+             **({} if load is None else {"calibrated_step_ratio": ratio[b] / load}),
+             "peak_rss_mb": timing[0][b].get("peak_rss_mb"), "other_peak_rss_mb": timing[1][b].get("peak_rss_mb")}
+            for b in stages]
     peak = [max(r[k] for r in rows) if all(r[k] for r in rows) else None
             for k in ("peak_rss_mb", "other_peak_rss_mb")]
     out = {"run": run["run_id"], "other": other["run_id"], "from_stage": from_stage, "stages": rows,

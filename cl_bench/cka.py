@@ -24,7 +24,8 @@ def linear_cka(x: torch.Tensor, y: torch.Tensor, eps: float = 1e-12) -> torch.Te
     Computed in float64, after scaling each side to unit Frobenius norm (CKA does
     not change; the fourth powers below stay far from overflow for large
     activations). float32 is not enough: with SmolLM2's outlier features its
-    rounding over ~1,000 tokens gave CKA(X, X) = 1.0002. The result has the
+    rounding over ~1,000 tokens put CKA(X, X) at 1 + 2.5e-5 and CKA of two
+    near-identical representations up to 1.0002. The result has the
     inputs' dtype promoted to float32 at least, and carries gradient. Uses the Gram
     form when the n x n Gram matrices are the cheaper ones, else the feature form.
     0 when either side is constant."""

@@ -97,6 +97,9 @@ class RunConfig:
         for name in ("cka_probe", "cka_probe_tokens", "sharpness", "sharpness_iters"):
             if getattr(self.eval, name) < 0:
                 raise UserError(f"eval.{name}={getattr(self.eval, name)} must be >= 0 (0 turns it off)")
+        if any(i < 0 for i in self.eval.sharpness_layers or []):
+            raise UserError(f"eval.sharpness_layers={self.eval.sharpness_layers}: decoder layer indices are "
+                            f"0-based and >= 0")
         t = self.train
         if t.batch_size % t.micro_batch_size:
             raise UserError(

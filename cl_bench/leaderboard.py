@@ -37,6 +37,7 @@ PARAMS = (
 # Added: deployed minus the base model's parameters; Expansion: the mean over stages of a
 # method's reported expansion_rate (share of candidate experts expanded), where it reports one
 EXTRA = ["Added", "Expansion"]
+COUNTS = [col for _, col in PARAMS] + ["Added"]  # parameter counts: integers, shown as 134.5M
 GROUP_KEYS = ["Method", "Args", "Model", "Profile", "Order", "Reference"]
 COLUMNS = (
     ["Method", "Args", "Model", "Profile", "Tasks", "Order", "Reference", "Runs"]
@@ -169,7 +170,7 @@ def build_table(runs: list[dict]) -> pd.DataFrame:
     agg.update({col: (col, "first") for col in [c for _, c in PARAMS] + EXTRA})
     agg["Wall time (min)"] = ("Wall time (min)", "mean")
     table = flat.groupby(GROUP_KEYS, sort=False, dropna=False).agg(**agg).reset_index()
-    for col in [c for _, c in PARAMS] + ["Added"]:
+    for col in COUNTS:
         table[col] = table[col].astype("Int64")
     table = table.sort_values(
         ["Reference", "Last Acc mean", "Method"], ascending=[True, False, True], na_position="last"
@@ -205,7 +206,7 @@ def _display_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
         method = f"{label} (reference)" if rec["Reference"] else label
         row = [method, str(rec["Model"]), str(rec["Profile"]), str(rec["Tasks"]), str(rec["Runs"])]
         row += [_score_cell(rec[f"{stem} mean"], rec[f"{stem} std"]) for _, stem in SCORES]
-        row += [humanise(rec[col]) for col in [c for _, c in PARAMS] + ["Added"]]
+        row += [humanise(rec[col]) for col in COUNTS]
         row.append(MISSING if pd.isna(rec["Expansion"]) else f"{100 * rec['Expansion']:.0f}%")
         wall = rec["Wall time (min)"]
         row.append(MISSING if pd.isna(wall) else f"{wall:.1f}")

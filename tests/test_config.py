@@ -36,6 +36,11 @@ def test_cross_field_checks():
         resolve("smoke", None, {"train": {"batch_size": "5", "micro_batch_size": "2"}})
     with pytest.raises(UserError, match="truncation"):
         resolve("smoke", None, {"train": {"truncation": "middle"}})
+    with pytest.raises(UserError, match="eval.sharpness_iters=-1 must be >= 0"):
+        resolve("smoke", None, {"eval": {"sharpness_iters": "-1"}})
+    with pytest.raises(UserError, match="eval.sharpness_layers=.*0-based"):
+        resolve("smoke", None, {"eval": {"sharpness_layers": "[3,-1]"}})
+    assert resolve("smoke", None, {"eval": {"sharpness_layers": "[0,2]"}}).eval.sharpness_layers == [0, 2]
 
 
 def test_order_accepts_a_list_from_yaml(tmp_path):

@@ -85,10 +85,10 @@ def _unlink_shm_buffer() -> None:
     (~66 MB) per rank at init and never unlinks it, so every multi-rank CPU run would
     leave them behind. Once every rank has passed the barrier, every rank has mapped
     every buffer; each then unlinks its own name (the mappings stay valid)."""
-    name = Path("/dev/shm") / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-                               f"{os.environ.get('MASTER_PORT', '')}_{torch.distributed.get_rank()}")
     if torch.cuda.is_available():
         return
+    name = Path("/dev/shm") / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+                               f"{os.environ.get('MASTER_PORT', '')}_{torch.distributed.get_rank()}")
     torch.distributed.barrier()
     name.unlink(missing_ok=True)
 
