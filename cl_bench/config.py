@@ -7,6 +7,7 @@ later code reads the dataclasses, never raw dicts.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 import yaml
 
 from cl_bench.errors import UserError, did_you_mean
+from cl_bench.precision import CHOICES as PRECISIONS
 
 
 @dataclass
@@ -24,6 +26,14 @@ class DataConfig:
     order: str | list[str] = "paper6"  # named order or a list of task names
     n_train: int | None = None  # training examples per task (None: all)
     n_test: int | None = None  # test examples per task (None: all)
+    n_train_per_task: dict[str, int] = field(default_factory=dict)  # overrides of n_train by task name
+    n_test_per_task: dict[str, int] = field(default_factory=dict)  # overrides of n_test by task name
+
+    def n_train_for(self, task: str) -> int | None:
+        return self.n_train_per_task.get(task, self.n_train)
+
+    def n_test_for(self, task: str) -> int | None:
+        return self.n_test_per_task.get(task, self.n_test)
 
 
 @dataclass
@@ -37,6 +47,10 @@ class TrainConfig:
     max_answer_len: int = 256  # answer tokens kept, EOS included
     truncation: str = "head_tail"  # head_tail: keep instruction + cue; left: TRACE's cut
     truncation_head: int = 64  # head_tail: prompt tokens kept from the start
+    precision: str = "fp32"  # fp32 | bf16 (autocast, fp32 master weights and optimiser) | auto
+    #                          (bf16 where the device has native bf16 matrix support); cl_bench/precision.py
+    lr_by_family: dict[str, float] = field(default_factory=dict)  # learning rate of each method family
+    #   (Method.lr_family: full, adapter, expert) where the method's lr is not given as an argument
 
     def epochs_for(self, task: str) -> int:
         return self.epochs_per_task.get(task, self.epochs)
@@ -47,6 +61,10 @@ class EvalConfig:
     batch_size: int = 16  # prompts per generation batch
     max_new_tokens_cap: int | None = None  # caps every task's max_new_tokens (None: task's own)
     eval_all: bool = False  # evaluate every task at every stage plus a zero-shot row (FWT)
+    zero_shot: bool = False  # score every task before any training (the zero-shot row R0)
+    next_task: bool = False  # also score, after each stage, the task the next stage trains (R[j-1][j],
+    #                          for FWT with the zero-shot row)
+    precision: str = "fp32"  # fp32 | bf16 | auto, as train.precision, for decoding
     cka_probe: int = 0  # test examples per task whose per-layer CKA since the task was learned is
     #                     recorded after every stage (cl_bench/probes.py; `cl-bench analyze`); 0: off
     cka_probe_tokens: int = 512  # at most this many of their tokens
@@ -114,6 +132,12 @@ class RunConfig:
         for name in ("batch_size", "micro_batch_size", "epochs", "max_prompt_len", "max_answer_len"):
             if getattr(t, name) < 1:
                 raise UserError(f"train.{name}={getattr(t, name)} must be at least 1")
+        for where, value in (("train.precision", t.precision), ("eval.precision", self.eval.precision)):
+            if value not in PRECISIONS:
+                raise UserError(f"{where}={value!r} must be one of {', '.join(PRECISIONS)}")
+        for family, lr in t.lr_by_family.items():
+            if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+                raise UserError(f"train.lr_by_family.{family}={lr!r} must be a positive number")
         if self.eval.batch_size < 1:
             raise UserError(f"eval.batch_size={self.eval.batch_size} must be at least 1")
         r = self.replay
@@ -144,11 +168,21 @@ PROFILES: dict[str, dict[str, Any]] = {
         "eval": {"batch_size": 4, "max_new_tokens_cap": 8},
     },
     "cpu": {
+        # Calibrated from the pilot sweep in results/calibration/ (README, "Profiles"):
+        # bf16 where the CPU has it, a learning rate per method family, more training
+        # examples where steps are cheap (NumGLUE's short answers), and test items
+        # spent where scoring is cheap (short answers) rather than on long generations.
         "model": "smollm2-135m",
-        "data": {"order": "paper6", "n_train": 64, "n_test": 24},
+        "data": {"order": "paper6", "n_train": 128, "n_test": 48,
+                 "n_train_per_task": {"MeetingBank": 96, "20Minuten": 96, "NumGLUE-cm": 256,
+                                      "NumGLUE-ds": 256},
+                 "n_test_per_task": {"MeetingBank": 24, "20Minuten": 32, "NumGLUE-cm": 81,
+                                     "NumGLUE-ds": 100, "C-STANCE": 100}},
         "train": {"batch_size": 8, "micro_batch_size": 4, "epochs": 1,
-                  "max_prompt_len": 256, "max_answer_len": 96, "truncation_head": 48},
-        "eval": {"batch_size": 16, "max_new_tokens_cap": 64},
+                  "max_prompt_len": 256, "max_answer_len": 96, "truncation_head": 48,
+                  "precision": "auto", "lr_by_family": {"full": 1e-4, "adapter": 1e-3, "expert": 1e-4}},
+        "eval": {"batch_size": 16, "max_new_tokens_cap": 64, "zero_shot": True, "next_task": True,
+                 "precision": "auto"},
     },
     "paper": {
         # The upcycling paper's setup (reference/bilevel-reference.md §6): Llama-3.2-1B,
@@ -163,6 +197,20 @@ PROFILES: dict[str, dict[str, Any]] = {
         "eval": {"batch_size": 16, "max_new_tokens_cap": 256},
     },
 }
+
+
+def check_per_task(config: RunConfig, tasks: list[str]) -> None:
+    """The per-task mappings name tasks of the run's order and hold counts >= 1
+    (checked once the order is known, before any data or model loads)."""
+    for where, mapping in (("train.epochs_per_task", config.train.epochs_per_task),
+                           ("data.n_train_per_task", config.data.n_train_per_task),
+                           ("data.n_test_per_task", config.data.n_test_per_task)):
+        for task, value in mapping.items():
+            if task not in tasks:
+                raise UserError(f"{where}: '{task}' is not a task of this run; {did_you_mean(str(task), tasks)}"
+                                f"the run's tasks: {', '.join(tasks)}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UserError(f"{where}.{task}={value!r} must be a whole number >= 1")
 
 
 def _field_types(cls: type) -> dict[str, Any]:

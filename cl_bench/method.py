@@ -68,6 +68,10 @@ class Method:
     Args: ClassVar[type] = MethodArgs
     uses_replay: ClassVar[bool] = False  # draws from the harness's shared replay buffer
     reference: ClassVar[bool] = False  # a reference row (reported beside, never ranked)
+    # What the method trains, for the profile's learning rate (train.lr_by_family):
+    # "full" (all weights), "adapter" (small added modules, base frozen) or "expert"
+    # (new MoE experts); None: the method's own lr default in every profile.
+    lr_family: ClassVar[str | None] = None
     # Why the method cannot train on the deepspeed backend, per ZeRO stage (2, 3); a
     # stage not listed is supported (shown by `cl-bench list --verbose`; a run asking
     # for it is refused before anything loads). Outside a training phase the model is
@@ -96,6 +100,16 @@ class Method:
                                 f"its arguments: {', '.join(names)}")
             values[key] = coerce(value, hints[key], f"method_args.{key}")
         return cls.Args(**values)
+
+    @classmethod
+    def args_for(cls, config: RunConfig) -> dict[str, Any]:
+        """The run's raw method arguments: config.method_args, with the profile's lr for
+        the method's family (train.lr_by_family) where `lr` is not given there."""
+        raw = dict(config.method_args)
+        family_lr = config.train.lr_by_family.get(cls.lr_family) if cls.lr_family else None
+        if "lr" not in raw and family_lr is not None:
+            raw["lr"] = family_lr
+        return raw
 
     @classmethod
     def arg_table(cls) -> list[tuple[str, str, Any]]:

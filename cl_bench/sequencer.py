@@ -27,11 +27,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from cl_bench import registry, results
+from cl_bench import precision, registry, results
 from cl_bench.backends import Backend, check_support
 from cl_bench.backends import create as create_backend
 from cl_bench.benchmarks.trace import load_benchmark, load_split, resolve_data_dir, resolve_order
-from cl_bench.config import RunConfig, build
+from cl_bench.config import RunConfig, build, check_per_task
 from cl_bench.data import Encoder, collate, tokenize_train
 from cl_bench.errors import UserError
 from cl_bench.evaluation import evaluate_task
@@ -42,6 +42,8 @@ from cl_bench.probes import RepresentationProbe, expert_sharpness
 from cl_bench.replay import ReplayBuffer
 
 log = logging.getLogger(__name__)
+
+ZERO_SHOT_STAGE = -1  # the `stage` of the zero-shot row's predictions and task metrics
 
 
 @dataclass
@@ -93,16 +95,17 @@ def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: 
         run_dir = resume_dir
     method_cls = registry.get(config.method)
     check_support(method_cls, config)
-    method_args = method_cls.parse_args(config.method_args)
-    resolve_order(config.data.order)
+    method_args = method_cls.parse_args(method_cls.args_for(config))
+    check_per_task(config, resolve_order(config.data.order))
     data_dir = resolve_data_dir(config.data.data_dir)
     backend = create_backend(config)  # deepspeed: joins the other ranks
     if resume_dir is None:
         config.run_id = config.run_id or backend.on_main(lambda: new_run_id(config.method))
         run_dir = Path(config.output_dir) / config.run_id
         backend.on_main(lambda: _claim(run_dir))
-    tasks = load_benchmark(data_dir, config.data.order, config.data.n_train, config.data.n_test,
-                           config.seed)
+    d = config.data
+    tasks = load_benchmark(data_dir, d.order, d.n_train, d.n_test, config.seed, d.n_train_per_task,
+                           d.n_test_per_task)
     if resume_dir is not None:
         _check_same_data(record, tasks, resume_dir)
     replay = ReplayBuffer(config.replay, config.seed)
@@ -261,7 +264,7 @@ def _evaluate(run: Run, stage_label: str, indices: list[int], model) -> dict[int
     total = sum(len(run.tasks[j].test) for j in indices)
     out = {}
     with tqdm(total=total, desc=f"{stage_label} eval", unit="ex", disable=not run.progress,
-              leave=False) as bar:
+              leave=False) as bar, precision.autocast(run.backend.eval_precision, run.backend.device):
         for j in indices:
             out[j] = evaluate_task(model, run.encoder, run.tasks[j], run.config.eval, bar.update,
                                    run.backend.generate)
@@ -279,10 +282,14 @@ def execute(run: Run, keep_checkpoint: bool = False) -> dict[str, Any]:
     """Run the remaining stages; returns the final record."""
     rec = run.record
     try:
-        if run.config.eval.eval_all and rec["zero_shot"] is None:
+        ev = run.config.eval
+        if (ev.eval_all or ev.zero_shot) and rec["zero_shot"] is None:
             evals = _evaluate(run, "zero-shot", list(range(len(run.tasks))),
                               run.method.eval_model(run.stages[0]))
             rec["zero_shot"] = [evals[j].score for j in range(len(run.tasks))]
+            for j, ev_j in evals.items():  # stage -1: the zero-shot row, before any training
+                rec["task_metrics"].append({"stage": ZERO_SHOT_STAGE, "task": run.tasks[j].name, **ev_j.details})
+                run.predictions.extend({"stage": ZERO_SHOT_STAGE, **row} for row in ev_j.rows)
             _write(run)
         for stage in run.stages[rec["stages_done"]:]:
             _run_stage(run, stage)
@@ -371,6 +378,9 @@ def _run_stage(run: Run, stage: Stage) -> None:
     trained = sorted({run.tasks.index(task) for s in run.stages[:stage.index + 1] for task in s.tasks})
     indices = (list(range(len(run.tasks))) if run.config.eval.eval_all
                else method.eval_tasks(stage, trained))
+    if run.config.eval.next_task and stage.index + 1 < n_stages:  # R[b][next], for FWT
+        upcoming = [run.tasks.index(t) for t in run.stages[stage.index + 1].tasks]
+        indices = sorted(set(indices) | set(upcoming))
     evals = _evaluate(run, label, indices, method.eval_model(stage))
     eval_s = time.perf_counter() - t1
     for j, ev in evals.items():

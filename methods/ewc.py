@@ -70,6 +70,7 @@ class EWCArgs(MethodArgs):
 @register_method("ewc")
 class EWC(Method):
     description = "EWC: diagonal empirical Fisher after each task, accumulated; penalty λ·F·(θ − θ*)² toward the previous task's weights"
+    lr_family = "full"
     Args = EWCArgs
     zero_unsupported = dict.fromkeys((2, 3), (
         "before_step adds the penalty's gradient to each parameter's .grad and reads the full weights; "

@@ -16,6 +16,7 @@ from cl_bench.registry import register_method
 @register_method("individual")
 class Individual(Method):
     description = "Reference: a fresh pretrained model fine-tuned on each task alone (R[j][j] only)"
+    lr_family = "full"
     reference = True
 
     def setup(self, model: torch.nn.Module) -> None:

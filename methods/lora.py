@@ -61,6 +61,7 @@ def adapter_size(model: nn.Module) -> int:
 @register_method("lora")
 class LoRA(Method):
     description = "LoRA-SeqFT: one peft LoRA adapter (q/v, r 8) trained through all tasks, base frozen"
+    lr_family = "adapter"
     Args = LoRAArgs
 
     def setup(self, model: nn.Module) -> None:

@@ -71,6 +71,7 @@ def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
 @register_method("lwf")
 class LwF(Method):
     description = "LwF: CE + λT²·KL(previous model ‖ model) on answer tokens, online frozen teacher"
+    lr_family = "full"
     Args = LwFArgs
 
     def __init__(self, args: LwFArgs, context):

@@ -107,6 +107,7 @@ class MomentumFilteredAdam(torch.optim.Optimizer):
 @register_method("mofo")
 class MoFO(Method):
     description = "MoFO: Adam moving only the top-α fraction of each weight matrix by |momentum| per step"
+    lr_family = "full"
     Args = MoFOArgs
     zero_unsupported = dict.fromkeys((2, 3), (
         "its optimiser picks the top-alpha entries of each weight matrix, but ZeRO hands the optimiser flat "

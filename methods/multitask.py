@@ -12,6 +12,7 @@ from cl_bench.registry import register_method
 @register_method("multitask")
 class MultiTask(Method):
     description = "Reference: joint training on the union of all tasks, evaluated once"
+    lr_family = "full"
     reference = True
 
     def plan(self, tasks: list) -> list[Stage]:

@@ -107,6 +107,7 @@ def orthogonality_penalty(old: list[torch.Tensor], new: torch.Tensor) -> torch.T
 @register_method("olora")
 class OLoRA(Method):
     description = "O-LoRA: a new LoRA pair per task, old pairs frozen, L1 orthogonality to old A's"
+    lr_family = "adapter"
     Args = OLoRAArgs
 
     def setup(self, model: nn.Module) -> None:

@@ -14,4 +14,5 @@ from cl_bench.registry import register_method
 @register_method("replay")
 class Replay(Method):
     description = "SeqFT + the shared replay buffer (one replay micro-batch per step by default)"
+    lr_family = "full"
     uses_replay = True

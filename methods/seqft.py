@@ -11,3 +11,4 @@ from cl_bench.registry import register_method
 @register_method("seqft")
 class SeqFT(Method):
     description = "Sequential full fine-tuning (TRACE's SeqFT): all weights, AdamW carried across tasks"
+    lr_family = "full"

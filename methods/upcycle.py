@@ -73,6 +73,7 @@ class UpcycleArgs(MethodArgs):
 @register_method("upcycle")
 class Upcycle(Method):
     description = "Standard upcycling: 8 new slice experts per layer per task, old experts frozen"
+    lr_family = "expert"
     Args = UpcycleArgs
 
     def expert_init(self) -> ExpertInit:

@@ -13,6 +13,7 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 from cl_bench.errors import UserError
 
@@ -216,6 +217,11 @@ def load_benchmark(
     n_train: int | None,
     n_test: int | None,
     seed: int,
+    n_train_per_task: Mapping[str, int] | None = None,
+    n_test_per_task: Mapping[str, int] | None = None,
 ) -> list[TaskData]:
-    """Every task of `order` (see resolve_order), loaded in training order."""
-    return [load_task(data_dir, task, n_train, n_test, seed) for task in resolve_order(order)]
+    """Every task of `order` (see resolve_order), loaded in training order; the
+    per-task mappings override n_train / n_test for the tasks they name."""
+    train, test = n_train_per_task or {}, n_test_per_task or {}
+    return [load_task(data_dir, task, train.get(task, n_train), test.get(task, n_test), seed)
+            for task in resolve_order(order)]

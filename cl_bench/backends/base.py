@@ -12,6 +12,7 @@ import torch
 from cl_bench.config import RunConfig
 from cl_bench.errors import UserError
 from cl_bench.generation import greedy_generate
+from cl_bench import precision
 
 T = TypeVar("T")
 
@@ -24,6 +25,12 @@ class Backend:
         self.device = device
         self.rank = 0
         self.world_size = 1
+        self.eval_precision = precision.resolve(config.eval.precision, device)
+
+    @property
+    def train_precision(self) -> str:
+        """'bf16' or 'fp32': what train_stage computes in (cl_bench/precision.py)."""
+        return precision.resolve(self.config.train.precision, self.device)
 
     @property
     def is_main(self) -> bool:
@@ -44,7 +51,8 @@ class Backend:
 
     def describe(self) -> dict[str, Any]:
         """What the run record states about how the run was trained."""
-        return {"name": self.name, "world_size": self.world_size}
+        return {"name": self.name, "world_size": self.world_size,
+                "precision": {"train": self.train_precision, "eval": self.eval_precision}}
 
 
 def check_support(method_cls, config: RunConfig) -> None:

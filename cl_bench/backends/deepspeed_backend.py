@@ -202,8 +202,14 @@ class DeepSpeedBackend(Backend):
     def barrier(self) -> None:
         torch.distributed.barrier()
 
+    @property
+    def train_precision(self) -> str:
+        """The engine's: deepspeed.bf16 (auto: bf16 on GPUs that have it) decides, not
+        train.precision."""
+        return "bf16" if self.bf16 else "fp32"
+
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "world_size": self.world_size, "zero": self.config.deepspeed.zero,
+        return {**super().describe(), "zero": self.config.deepspeed.zero,
                 "bf16": self.bf16, "deepspeed_version": self.ds.__version__,
                 "deepspeed_config": self.ds_config}
 

@@ -5,6 +5,7 @@ from typing import Callable
 
 import torch
 
+from cl_bench import precision
 from cl_bench.backends.base import Backend
 from cl_bench.data import IGNORE, collate, epoch_order, steps
 from cl_bench.method import Method, Stage
@@ -24,12 +25,14 @@ class TorchBackend(Backend):
         epoch e. Micro-batch losses are weighted by their share of the step's answer
         tokens, so a step's gradient does not depend on how it is split. With
         `replay_rows`, each step adds one replay micro-batch through
-        `method.replay_loss` (the interleave policy). Returns the number of replay
-        examples used."""
+        `method.replay_loss` (the interleave policy). Forward passes run under the
+        training precision's autocast (bf16: fp32 weights, gradients and optimiser
+        state). Returns the number of replay examples used."""
         t = self.config.train
         model = method.model
         model.train()
         params = [p for g in optimizer.param_groups for p in g["params"]]
+        autocast = lambda: precision.autocast(self.train_precision, self.device)  # noqa: E731
         step = replayed = 0
         for epoch, rows in enumerate(epochs):
             order = epoch_order(len(rows), self.config.seed, stage.label, epoch)
@@ -39,7 +42,8 @@ class TorchBackend(Backend):
                 for micro in batch.micro_batches:
                     micro = {k: v.to(self.device) for k, v in micro.items()}
                     weight = int((micro["labels"] != IGNORE).sum()) / max(batch.n_tokens, 1)
-                    loss, parts = method.loss(micro, step)
+                    with autocast():
+                        loss, parts = method.loss(micro, step)
                     (loss * weight).backward()
                     for key, value in parts.items():
                         parts_sum[key] = parts_sum.get(key, 0.0) + value * weight
@@ -47,7 +51,8 @@ class TorchBackend(Backend):
                     rows_r = sample_rows(replay_rows, t.micro_batch_size,
                                          f"{self.config.seed}/{stage.label}/{epoch}/{step}")
                     micro = {k: v.to(self.device) for k, v in collate(rows_r, pad_id).items()}
-                    loss, parts = method.replay_loss(micro, step)
+                    with autocast():
+                        loss, parts = method.replay_loss(micro, step)
                     loss.backward()
                     parts_sum.update({f"replay_{k}": v for k, v in parts.items()})
                     replayed += len(rows_r)
