@@ -1,4 +1,4 @@
-"""`cl-bench`: run | show | list | leaderboard | analyze | score | params | perf.
+"""`cl-bench`: run | show | compare | list | leaderboard | analyze | score | params | perf.
 
 Bad input raises UserError anywhere below; here it becomes one line on stderr
 and exit code 2 (a traceback only with --debug).
@@ -104,7 +104,7 @@ def cmd_run(args) -> int:
                   f"  cl-bench run --resume {run.run_dir}", file=sys.stderr)
         return EXIT_INTERRUPTED
     if run.backend.is_main:
-        print(format_matrix(record))
+        print(format_matrix(record, record.get("intervals")))
         print(f"\nrun record: {run.run_dir / 'run.json'}")
     return 0
 
@@ -151,10 +151,20 @@ def _launch(args) -> int:
 
 
 def cmd_show(args) -> int:
+    from cl_bench.intervals import record_intervals
     from cl_bench.report import format_matrix
     from cl_bench.results import read_record
 
-    print(format_matrix(read_record(args.run_dir)))
+    record = read_record(args.run_dir)
+    print(format_matrix(record, record_intervals(record, args.run_dir)))
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from cl_bench.compare import compare, format_comparison
+
+    result = compare(args.runs, args.resamples)
+    print(json.dumps(result, indent=2) if args.format == "json" else format_comparison(result))
     return 0
 
 
@@ -270,6 +280,10 @@ def cmd_perf(args) -> int:
         from cl_bench.perf_moe import moe_benchmark
 
         result = moe_benchmark(repeats=args.repeats)
+    elif args.what == "precision":
+        from cl_bench.perf_precision import precision_benchmark
+
+        result = precision_benchmark(args)
     elif args.what == "upcycle-gap":
         from cl_bench.perf_moe import upcycle_gap
 
@@ -298,6 +312,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run(sub)
     p = sub.add_parser("show", help="print a run's matrix and summary from its record")
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    p = sub.add_parser("compare", help="paired differences between runs over the same test items",
+                       description="Each run against the first: the difference in every summary with its "
+                                   "95%% paired-bootstrap interval and p-value. Runs whose tasks, test items "
+                                   "or budgets differ are refused.")
+    p.add_argument("runs", type=Path, nargs="+", metavar="RUN_DIR", help="the baseline first, then the others")
+    p.add_argument("--format", choices=["table", "json"], default="table")
+    p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples (default 1000)")
     p = sub.add_parser("list", help="list methods with one-line descriptions")
     p.add_argument("--verbose", "-v", action="store_true", help="also show each method's arguments")
     p = sub.add_parser("leaderboard", help="tables from run records")
@@ -333,8 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("perf", help="measure generation speed-up, harness overhead, MoE dispatch, "
-                                    "the loss upcycling adds before training, or deepspeed's per-step cost")
-    p.add_argument("what", choices=["generation", "harness", "moe", "upcycle-gap", "deepspeed"])
+                                    "the loss upcycling adds before training, deepspeed's per-step cost, or fp32 against bf16")
+    p.add_argument("what", choices=["generation", "harness", "moe", "upcycle-gap", "deepspeed", "precision"])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--task", help="task(s) or order; default NumGLUE-ds (upcycle-gap: paper6)")
     p.add_argument("--n", type=int, default=32, help="prompts (generation) or examples (harness)")
@@ -346,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = {"run": cmd_run, "show": cmd_show, "list": cmd_list, "leaderboard": cmd_leaderboard,
+COMMANDS = {"run": cmd_run, "show": cmd_show, "compare": cmd_compare, "list": cmd_list, "leaderboard": cmd_leaderboard,
             "analyze": cmd_analyze, "score": cmd_score, "params": cmd_params, "perf": cmd_perf}
 
 

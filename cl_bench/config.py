@@ -28,6 +28,8 @@ class DataConfig:
     n_test: int | None = None  # test examples per task (None: all)
     n_train_per_task: dict[str, int] = field(default_factory=dict)  # overrides of n_train by task name
     n_test_per_task: dict[str, int] = field(default_factory=dict)  # overrides of n_test by task name
+    test_split: str = "test"  # the split scored: test, or eval for model selection (sweeps); never
+    #                           select on MeetingBank's eval split, which is its train copy in the 500 release
 
     def n_train_for(self, task: str) -> int | None:
         return self.n_train_per_task.get(task, self.n_train)
@@ -138,6 +140,8 @@ class RunConfig:
         for family, lr in t.lr_by_family.items():
             if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
                 raise UserError(f"train.lr_by_family.{family}={lr!r} must be a positive number")
+        if self.data.test_split not in ("test", "eval"):
+            raise UserError(f"data.test_split={self.data.test_split!r} must be 'test' or 'eval'")
         if self.eval.batch_size < 1:
             raise UserError(f"eval.batch_size={self.eval.batch_size} must be at least 1")
         r = self.replay
@@ -200,15 +204,16 @@ PROFILES: dict[str, dict[str, Any]] = {
 
 
 def check_per_task(config: RunConfig, tasks: list[str]) -> None:
-    """The per-task mappings name tasks of the run's order and hold counts >= 1
-    (checked once the order is known, before any data or model loads)."""
+    """The per-task mappings name TRACE tasks (`tasks`: every task name; a profile's
+    mapping may name tasks a shorter order leaves out) and hold counts >= 1;
+    checked before any data or model loads."""
     for where, mapping in (("train.epochs_per_task", config.train.epochs_per_task),
                            ("data.n_train_per_task", config.data.n_train_per_task),
                            ("data.n_test_per_task", config.data.n_test_per_task)):
         for task, value in mapping.items():
             if task not in tasks:
-                raise UserError(f"{where}: '{task}' is not a task of this run; {did_you_mean(str(task), tasks)}"
-                                f"the run's tasks: {', '.join(tasks)}")
+                raise UserError(f"{where}: '{task}' is not a TRACE task; {did_you_mean(str(task), tasks)}"
+                                f"tasks: {', '.join(tasks)}")
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UserError(f"{where}.{task}={value!r} must be a whole number >= 1")
 

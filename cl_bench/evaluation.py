@@ -11,6 +11,11 @@ from cl_bench.config import EvalConfig
 from cl_bench.data import Encoder
 from cl_bench.generation import greedy_generate
 from cl_bench.metrics import scorers
+from cl_bench.metrics.answer_form import majority_answer
+
+# Tasks whose answers are labels (exact match or first character): these get a
+# majority-class level beside their scores.
+LABEL_METRICS = ("accuracy", "first_char_accuracy")
 
 
 @dataclass
@@ -49,3 +54,15 @@ def evaluate_task(model: nn.Module, encoder: Encoder, task, cfg: EvalConfig,
              "prompt": e.prompt, "prediction": pred, "answer": e.answer, "score": s}
             for e, pred, s in zip(task.test, predictions, item_scores)]
     return TaskEval(score, details, rows)
+
+
+def majority_level(task) -> dict | None:
+    """For a label task, the score of always answering the most frequent answer of
+    the run's training subset (a reader's check that a method learned the content,
+    not only the form); None for generation tasks."""
+    metric = task.spec.metric
+    if metric not in LABEL_METRICS:
+        return None
+    answer = majority_answer([e.answer for e in task.train], first_char=metric == "first_char_accuracy")
+    answers = [e.answer for e in task.test]
+    return {"answer": answer, "score": scorers.score(metric, [answer] * len(answers), answers)}

@@ -4,7 +4,12 @@ Reads `<runs_dir>/**/run.json` (schema_version 1), groups runs by
 (method, method arguments, model id, profile, task order, reference),
 aggregates, and formats. Where one method appears with several argument sets
 (a sweep), its rows are labelled with the arguments that differ.
-Nothing here scores or recomputes a metric: the summaries come from the records.
+The summaries come from the records. Each score also carries a 95% interval,
+bootstrapped over the test items from the run's predictions (cl_bench/intervals.py)
+and, over several seeds, over the seeds too (bootstrap.pooled). Each row is marked
+by whether it can be told apart at 95% from the baseline row (the method that
+declares `Method.baseline`, SeqFT) and from the best ranked row: the interval of
+the difference, paired over items where the runs share them, excludes 0.
 """
 
 from __future__ import annotations
@@ -16,8 +21,12 @@ from pathlib import Path
 import pandas as pd
 from tabulate import tabulate
 
+from cl_bench import registry
+from cl_bench.compare import differences
 from cl_bench.errors import UserError
-from cl_bench.results import SCHEMA_VERSION, atomic_write_text
+from cl_bench.intervals import ItemTable, replicates
+from cl_bench.metrics import bootstrap
+from cl_bench.results import PREDICTIONS_FILE, SCHEMA_VERSION, atomic_write_text, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +48,11 @@ PARAMS = (
 EXTRA = ["Added", "Expansion"]
 COUNTS = [col for _, col in PARAMS] + ["Added"]  # parameter counts: integers, shown as 134.5M
 GROUP_KEYS = ["Method", "Args", "Model", "Profile", "Order", "Reference"]
+MARKS = ["Last ≠ base", "BWT ≠ base", "Last ≠ best"]  # "yes" / "no" at 95%; "–" when not computable
 COLUMNS = (
     ["Method", "Args", "Model", "Profile", "Tasks", "Order", "Reference", "Runs"]
-    + [f"{stem} {stat_}" for _, stem in SCORES for stat_ in ("mean", "std")]
+    + [f"{stem} {stat_}" for _, stem in SCORES for stat_ in ("mean", "std", "lo", "hi")]
+    + MARKS
     + [col for _, col in PARAMS]
     + EXTRA
     + ["Wall time (min)"]
@@ -144,17 +155,53 @@ def _flatten(run: dict) -> dict:
     return row
 
 
+def _run_replicates(run: dict) -> dict | None:
+    """Bootstrap replicates of the run's summaries from its predictions; None when
+    the run folder has none (a record copied without them)."""
+    predictions = read_jsonl(Path(run["_path"]).parent / PREDICTIONS_FILE)
+    if not predictions:
+        return None
+    return replicates(ItemTable.from_run(run, predictions), bootstrap.RESAMPLES)
+
+
+def _group_replicates(runs: list[dict]) -> dict | None:
+    """One group's replicates: its run's, or pooled over its runs (seeds) in seed order."""
+    reps = [_run_replicates(r) for r in sorted(runs, key=lambda r: r.get("seed") or 0)]
+    if not reps or any(r is None for r in reps):
+        return None
+    if len(reps) == 1:
+        return reps[0]
+    return {k: bootstrap.pooled([r[k] for r in reps], bootstrap.RESAMPLES, seed=0) for k in reps[0]}
+
+
+def _is_baseline(method: str) -> bool:
+    try:
+        return bool(registry.get(method).baseline)
+    except UserError:  # a plugin that is not installed here
+        return False
+
+
+def _distinct(a: dict | None, b: dict | None, runs_a: list[dict], runs_b: list[dict], key: str) -> str | None:
+    """'yes' when the 95% interval of a - b in `key` excludes 0, 'no' when it holds
+    0, None when the groups differ in tasks or budget, or have no replicates."""
+    if a is None or b is None or differences(runs_a[0], runs_b[0], items=False):
+        return None
+    ci = bootstrap.interval(a[key] - b[key])
+    return None if ci is None else ("no" if ci[0] <= 0 <= ci[1] else "yes")
+
+
 def build_table(runs: list[dict]) -> pd.DataFrame:
     """One row per (method, model, profile, task order, reference) group.
 
     Scores: mean and sample std (ddof=1; NaN for one run) over the group's runs,
-    ignoring nulls. Params: the last stage's report of the group's first run
-    (params do not depend on the seed). Wall time: mean total_s in minutes.
+    ignoring nulls, and the 95% interval ("lo", "hi") over items (and seeds).
+    Params: the last stage's report of the group's first run (params do not
+    depend on the seed). Wall time: mean total_s in minutes. Marks: MARKS.
     Sorted by Last Acc mean descending, reference rows last.
     """
     if not runs:
         return pd.DataFrame(columns=COLUMNS)
-    flat = pd.DataFrame([_flatten(run) for run in runs])
+    flat = pd.DataFrame([{**_flatten(run), "_run": i} for i, run in enumerate(runs)])
     for col in [stem for _, stem in SCORES] + [col for _, col in PARAMS] + EXTRA + ["Wall time (min)"]:
         flat[col] = pd.to_numeric(flat[col], errors="coerce")  # all-null columns would stay object
     for key, group in flat.groupby(GROUP_KEYS, sort=False, dropna=False):
@@ -163,7 +210,7 @@ def build_table(runs: list[dict]) -> pd.DataFrame:
             log.warning(
                 "%s on %s: seed repeated across runs %s; a copied run counts twice", key[0], key[1], seeds.tolist()
             )
-    agg = {"Tasks": ("Tasks", "first"), "Runs": ("Seed", "size")}
+    agg = {"Tasks": ("Tasks", "first"), "Runs": ("Seed", "size"), "_runs": ("_run", list)}
     for _, stem in SCORES:
         agg[f"{stem} mean"] = (stem, "mean")
         agg[f"{stem} std"] = (stem, "std")
@@ -174,8 +221,22 @@ def build_table(runs: list[dict]) -> pd.DataFrame:
         table[col] = table[col].astype("Int64")
     table = table.sort_values(
         ["Reference", "Last Acc mean", "Method"], ascending=[True, False, True], na_position="last"
-    )
-    return table[COLUMNS].reset_index(drop=True)
+    ).reset_index(drop=True)
+    members = [[runs[i] for i in idx] for idx in table["_runs"]]
+    reps = [_group_replicates(m) for m in members]
+    for key, stem in SCORES:
+        cis = [None if r is None else bootstrap.interval(r[key]) for r in reps]
+        table[f"{stem} lo"] = [None if c is None else c[0] for c in cis]
+        table[f"{stem} hi"] = [None if c is None else c[1] for c in cis]
+    ranked = [i for i in range(len(table)) if not table.loc[i, "Reference"]]
+    base = next((i for i in ranked if _is_baseline(table.loc[i, "Method"])), None)
+    best = ranked[0] if ranked else None
+    for col, other, key in (("Last ≠ base", base, "last_acc"), ("BWT ≠ base", base, "bwt"),
+                            ("Last ≠ best", best, "last_acc")):
+        table[col] = [None if i not in ranked or other is None or i == other
+                      else _distinct(reps[i], reps[other], members[i], members[other], key)
+                      for i in range(len(table))]
+    return table[COLUMNS]
 
 
 def humanise(n) -> str:
@@ -189,23 +250,24 @@ def humanise(n) -> str:
     return str(n)
 
 
-def _score_cell(mean, std) -> str:
-    """'45.0 ± 7.1'; the mean alone when std is NaN (one run, ddof=1)."""
+def _score_cell(mean, std, lo=None, hi=None) -> str:
+    """'45.0 ± 7.1 [40.2, 49.9]': mean, std over seeds (left out for one run, ddof=1)
+    and the 95% interval (left out when the runs have no predictions)."""
     if pd.isna(mean):
         return MISSING
-    if not pd.isna(std):
-        return f"{mean:.1f} ± {std:.1f}"
-    return f"{mean:.1f}"
+    text = f"{mean:.1f}" if pd.isna(std) else f"{mean:.1f} ± {std:.1f}"
+    return text if lo is None or pd.isna(lo) else f"{text} [{lo:.1f}, {hi:.1f}]"
 
 
 def _display_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     headers = ["Method", "Model", "Profile", "Tasks", "Runs"] + [stem for _, stem in SCORES]
-    headers += [col for _, col in PARAMS] + EXTRA + ["Wall time (min)"]
+    headers += MARKS + [col for _, col in PARAMS] + EXTRA + ["Wall time (min)"]
     rows = []
     for rec, label in zip(df.to_dict("records"), _method_labels(df)):
         method = f"{label} (reference)" if rec["Reference"] else label
         row = [method, str(rec["Model"]), str(rec["Profile"]), str(rec["Tasks"]), str(rec["Runs"])]
-        row += [_score_cell(rec[f"{stem} mean"], rec[f"{stem} std"]) for _, stem in SCORES]
+        row += [_score_cell(*(rec[f"{stem} {x}"] for x in ("mean", "std", "lo", "hi"))) for _, stem in SCORES]
+        row += [MISSING if rec[col] is None else rec[col] for col in MARKS]
         row += [humanise(rec[col]) for col in COUNTS]
         row.append(MISSING if pd.isna(rec["Expansion"]) else f"{100 * rec['Expansion']:.0f}%")
         wall = rec["Wall time (min)"]

@@ -68,6 +68,7 @@ class Method:
     Args: ClassVar[type] = MethodArgs
     uses_replay: ClassVar[bool] = False  # draws from the harness's shared replay buffer
     reference: ClassVar[bool] = False  # a reference row (reported beside, never ranked)
+    baseline: ClassVar[bool] = False  # the row the leaderboard marks every other against (SeqFT)
     # What the method trains, for the profile's learning rate (train.lr_by_family):
     # "full" (all weights), "adapter" (small added modules, base frozen) or "expert"
     # (new MoE experts); None: the method's own lr default in every profile.

@@ -26,6 +26,7 @@ RUN_FILE = "run.json"
 PREDICTIONS_FILE = "predictions.jsonl"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = "checkpoint"
+ZERO_SHOT_STAGE = -1  # the `stage` of the zero-shot row's predictions and task metrics
 
 
 def atomic_write_text(path: Path, text: str) -> None:

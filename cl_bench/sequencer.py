@@ -31,19 +31,19 @@ from cl_bench import precision, registry, results
 from cl_bench.backends import Backend, check_support
 from cl_bench.backends import create as create_backend
 from cl_bench.benchmarks.trace import load_benchmark, load_split, resolve_data_dir, resolve_order
+from cl_bench.benchmarks.trace.tasks import CL_TASKS
 from cl_bench.config import RunConfig, build, check_per_task
 from cl_bench.data import Encoder, collate, tokenize_train
 from cl_bench.errors import UserError
-from cl_bench.evaluation import evaluate_task
+from cl_bench.evaluation import evaluate_task, majority_level
 from cl_bench.method import Method, MethodContext, Phase, Stage
+from cl_bench.intervals import run_intervals
 from cl_bench.metrics.cl import summarise
 from cl_bench.models.loading import load
 from cl_bench.probes import RepresentationProbe, expert_sharpness
 from cl_bench.replay import ReplayBuffer
 
 log = logging.getLogger(__name__)
-
-ZERO_SHOT_STAGE = -1  # the `stage` of the zero-shot row's predictions and task metrics
 
 
 @dataclass
@@ -96,7 +96,8 @@ def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: 
     method_cls = registry.get(config.method)
     check_support(method_cls, config)
     method_args = method_cls.parse_args(method_cls.args_for(config))
-    check_per_task(config, resolve_order(config.data.order))
+    resolve_order(config.data.order)
+    check_per_task(config, list(CL_TASKS))
     data_dir = resolve_data_dir(config.data.data_dir)
     backend = create_backend(config)  # deepspeed: joins the other ranks
     if resume_dir is None:
@@ -105,7 +106,7 @@ def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: 
         backend.on_main(lambda: _claim(run_dir))
     d = config.data
     tasks = load_benchmark(data_dir, d.order, d.n_train, d.n_test, config.seed, d.n_train_per_task,
-                           d.n_test_per_task)
+                           d.n_test_per_task, d.test_split)
     if resume_dir is not None:
         _check_same_data(record, tasks, resume_dir)
     replay = ReplayBuffer(config.replay, config.seed)
@@ -165,6 +166,7 @@ def _new_record(config, method, method_args, model_info, tasks, stages, command:
         "data": {t.name: t.provenance for t in tasks},
         "matrix": [[None] * len(tasks) for _ in stages],
         "zero_shot": None,
+        "majority": {t.name: majority_level(t) for t in tasks if majority_level(t) is not None},
         "task_metrics": [],
         "summary": None,
         "params": [],
@@ -288,12 +290,14 @@ def execute(run: Run, keep_checkpoint: bool = False) -> dict[str, Any]:
                               run.method.eval_model(run.stages[0]))
             rec["zero_shot"] = [evals[j].score for j in range(len(run.tasks))]
             for j, ev_j in evals.items():  # stage -1: the zero-shot row, before any training
-                rec["task_metrics"].append({"stage": ZERO_SHOT_STAGE, "task": run.tasks[j].name, **ev_j.details})
-                run.predictions.extend({"stage": ZERO_SHOT_STAGE, **row} for row in ev_j.rows)
+                rec["task_metrics"].append({"stage": results.ZERO_SHOT_STAGE, "task": run.tasks[j].name, **ev_j.details})
+                run.predictions.extend({"stage": results.ZERO_SHOT_STAGE, **row} for row in ev_j.rows)
             _write(run)
         for stage in run.stages[rec["stages_done"]:]:
             _run_stage(run, stage)
         rec["summary"] = summarise(rec["matrix"], rec["zero_shot"])
+        if run.backend.is_main:
+            rec["intervals"] = run_intervals(rec, run.predictions)
         rec["status"] = "complete"
         _write(run)
         if not keep_checkpoint and run.backend.is_main:

@@ -12,3 +12,4 @@ from cl_bench.registry import register_method
 class SeqFT(Method):
     description = "Sequential full fine-tuning (TRACE's SeqFT): all weights, AdamW carried across tasks"
     lr_family = "full"
+    baseline = True

@@ -219,9 +219,11 @@ def load_benchmark(
     seed: int,
     n_train_per_task: Mapping[str, int] | None = None,
     n_test_per_task: Mapping[str, int] | None = None,
+    test_split: str = "test",
 ) -> list[TaskData]:
     """Every task of `order` (see resolve_order), loaded in training order; the
-    per-task mappings override n_train / n_test for the tasks they name."""
+    per-task mappings override n_train / n_test for the tasks they name; the
+    scored items come from `test_split` ("eval" for model selection)."""
     train, test = n_train_per_task or {}, n_test_per_task or {}
-    return [load_task(data_dir, task, train.get(task, n_train), test.get(task, n_test), seed)
+    return [load_task(data_dir, task, train.get(task, n_train), test.get(task, n_test), seed, test_split)
             for task in resolve_order(order)]

@@ -127,3 +127,34 @@ def summarise(R, zero_shot: Sequence[float | None] | None = None) -> dict[str, f
         "fwt": fwt(R, zero_shot),
         "forgetting": forgetting(R),
     }
+
+
+def bwt_split(R, F) -> dict[str, float | None]:
+    """BWT = format part + content part, exactly.
+
+    F[b][j] is the share (0-1) of task j's predictions after stage b that have the
+    task's answer form (cl_bench/metrics/answer_form.py). Write each cell as R = F·C,
+    with C = R / F the score per well-formed answer (C = 0 where F = 0). For task j
+    the change from R[j][j] to R[T-1][j] splits as the product rule's symmetric
+    (Shapley) split does:
+        format_j  = (F[T-1][j] - F[j][j]) · (C[T-1][j] + C[j][j]) / 2
+        content_j = (R[T-1][j] - R[j][j]) - format_j
+    which, where both F > 0, is (C[T-1][j] - C[j][j]) · (F[T-1][j] + F[j][j]) / 2:
+    the change in score per well-formed answer, at the average form share. Each
+    part is averaged over j < T-1 as BWT is, so format + content = BWT. None where
+    BWT is None or a needed F is missing.
+    """
+    rows, forms = _rows(R), _rows(F)
+    total = bwt(rows)
+    t = _n_tasks(rows)
+    if total is None or len(forms) != t or _n_tasks(forms) != t:
+        return {"format": None, "content": None}
+    fmt = 0.0
+    for j in range(t - 1):
+        (r0, f0), (r1, f1) = (rows[j][j], forms[j][j]), (rows[t - 1][j], forms[t - 1][j])
+        if f0 is None or f1 is None:
+            return {"format": None, "content": None}
+        c0, c1 = (r0 / f0 if f0 else 0.0), (r1 / f1 if f1 else 0.0)
+        fmt += (f1 - f0) * (c1 + c0) / 2
+    fmt /= t - 1
+    return {"format": fmt, "content": total - fmt}

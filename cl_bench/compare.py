@@ -1,0 +1,112 @@
+"""`cl-bench compare RUN_A RUN_B [...]`: paired differences between runs over the
+same test items.
+
+Each run after the first is compared with the first: for every summary, the
+difference (run - first) with its 95% paired-bootstrap interval and p-value
+(cl_bench/metrics/bootstrap.py). The runs must share tasks, test items and
+budget (training data, epochs, batch, lengths, replay budget, decoding budget
+and model); anything that differs is named and the comparison refused.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+
+from cl_bench import results
+from cl_bench.errors import UserError
+from cl_bench.intervals import SUMMARIES, ItemTable, point_summaries, replicates
+from cl_bench.metrics import bootstrap
+from cl_bench.report import SUMMARY_NAMES
+
+# Config fields that fix a run's budget: two runs compared must agree on all of them.
+BUDGET_FIELDS = (
+    ("model",), ("data", "order"), ("train", "batch_size"), ("train", "epochs"), ("train", "epochs_per_task"),
+    ("train", "max_prompt_len"), ("train", "max_answer_len"), ("train", "truncation"),
+    ("train", "truncation_head"), ("eval", "max_new_tokens_cap"), ("replay", "fraction"),
+    ("replay", "per_task"), ("replay", "lima"), ("replay", "policy"),
+)
+
+
+def _get(d: dict, keys: tuple[str, ...]):
+    for k in keys:
+        d = (d or {}).get(k)
+    return d
+
+
+def differences(a: dict, b: dict, items: bool = True) -> list[str]:
+    """What makes records `a` and `b` incomparable item by item: tasks, the test
+    items or training subset of a task (unless `items` is False: runs of other
+    seeds), or a budget field; [] when none."""
+    if a["tasks"] != b["tasks"]:
+        return [f"tasks: {','.join(a['tasks'])} vs {','.join(b['tasks'])}"]
+    out = []
+    for task in a["tasks"] if items else []:
+        for split, what in (("test", "test items"), ("train", "training subset")):
+            pa, pb = (_get(r, ("data", task, split)) or {} for r in (a, b))
+            if (pa.get("indices"), pa.get("sha256")) != (pb.get("indices"), pb.get("sha256")):
+                out.append(f"{task}: {what} differ (seed {a['seed']} vs {b['seed']}, or other data)")
+    for keys in BUDGET_FIELDS:
+        va, vb = _get(a["config"], keys), _get(b["config"], keys)
+        if va != vb:
+            out.append(f"{'.'.join(keys)}: {va!r} vs {vb!r}")
+    return out
+
+
+def _table(run_dir: Path, record: dict) -> ItemTable:
+    predictions = results.read_jsonl(run_dir / results.PREDICTIONS_FILE)
+    if not predictions:
+        raise UserError(f"{run_dir}: no {results.PREDICTIONS_FILE}, so no item scores to compare; "
+                        f"pass a run folder that has finished a stage")
+    try:
+        return ItemTable.from_run(record, predictions)
+    except (KeyError, ValueError) as exc:
+        raise UserError(f"{run_dir / results.PREDICTIONS_FILE}: does not match its run.json ({exc}); "
+                        f"the run folder is damaged") from None
+
+
+def compare(run_dirs: list[Path], resamples: int = bootstrap.RESAMPLES) -> dict[str, Any]:
+    """{"baseline", "resamples", "comparisons": [{"run", "summaries": {name: {a, b,
+    diff, ci, p}}}]}: every run against the first, paired over items."""
+    if len(run_dirs) < 2:
+        raise UserError("compare needs at least two run folders: the baseline first, then the others")
+    run_dirs = [Path(d) for d in run_dirs]
+    records = [results.read_record(d) for d in run_dirs]
+    for d, rec in zip(run_dirs[1:], records[1:]):
+        problems = differences(records[0], rec)
+        if problems:
+            raise UserError(f"{d}: not comparable with {run_dirs[0]}: {'; '.join(problems)}")
+    base_rec, base_table = records[0], _table(run_dirs[0], records[0])
+    loaded = [(rec, _table(d, rec)) for d, rec in zip(run_dirs, records)]
+    base_reps = replicates(base_table, resamples)
+    base_point = point_summaries(base_table)
+    out = []
+    for d, (rec, table) in zip(run_dirs[1:], loaded[1:]):
+        reps = replicates(table, resamples)
+        point = point_summaries(table)
+        rows = {}
+        for name in SUMMARIES:
+            a, b = point[name], base_point[name]
+            if a is None or b is None:
+                continue
+            rows[name] = {"run": a, "baseline": b,
+                          **bootstrap.paired_difference(reps[name], base_reps[name], a - b)}
+        out.append({"run": str(d), "method": rec["method"], "summaries": rows})
+    return {"baseline": str(run_dirs[0]), "baseline_method": base_rec["method"], "resamples": resamples,
+            "seed": 0, "level": bootstrap.LEVEL, "comparisons": out}
+
+
+def format_comparison(result: dict[str, Any]) -> str:
+    rows = []
+    for comp in result["comparisons"]:
+        for name, r in comp["summaries"].items():
+            ci = r["ci"]
+            verdict = ("not distinguishable" if ci is None or ci[0] <= 0 <= ci[1]
+                       else "higher" if r["diff"] > 0 else "lower")
+            rows.append([comp["run"], SUMMARY_NAMES[name], f"{r['run']:.1f}", f"{r['baseline']:.1f}",
+                         f"{r['diff']:+.1f}", "–" if ci is None else f"[{ci[0]:+.1f}, {ci[1]:+.1f}]",
+                         "–" if r["p"] is None else f"{r['p']:.3f}", verdict])
+    head = ["run", "summary", "run", "baseline", "difference", "95% interval", "p", "at 95%"]
+    return (f"baseline: {result['baseline']} ({result['baseline_method']}); paired bootstrap over test items, "
+            f"{result['resamples']} resamples\n" + tabulate(rows, head, tablefmt="github", disable_numparse=True))

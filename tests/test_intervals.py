@@ -1,0 +1,125 @@
+"""Intervals of a run from its predictions (cl_bench/intervals.py) and the
+paired comparison of runs (cl_bench/compare.py, `cl-bench compare`)."""
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+
+from cl_bench.compare import compare, differences, format_comparison
+from cl_bench.intervals import ItemTable, replicates, run_intervals
+from cl_bench.metrics.cl import summarise
+from conftest import run_cli
+
+TASKS = ["NumGLUE-cm", "C-STANCE"]
+
+
+def make_record(scores: dict, tasks=TASKS, seed=1, n_test=None) -> tuple[dict, list[dict]]:
+    """A record and predictions from per-(stage, task) item scores (0 or 100);
+    stage -1 is the zero-shot row. A correct item predicts the answer itself."""
+    n = len(tasks)
+    matrix = [[None] * n for _ in range(n)]
+    zero = [None] * n
+    preds = []
+    for (b, j), items in scores.items():
+        mean = sum(items) / len(items)
+        if b < 0:
+            zero[j] = mean
+        else:
+            matrix[b][j] = mean
+        answer, wrong = ("7", "8") if tasks[j].startswith("NumGLUE") else ("A", "B")
+        for i, s in enumerate(items):  # wrong answers are well formed, except at stage 1 ("x")
+            preds.append({"stage": b, "task": tasks[j], "index": i, "prompt": "p", "answer": answer,
+                          "prediction": answer if s else ("x" if b == 1 else wrong), "score": float(s)})
+    record = {"schema_version": 1, "method": "seqft", "tasks": list(tasks), "matrix": matrix,
+              "zero_shot": zero if any(v is not None for v in zero) else None, "seed": seed,
+              "data": {t: {"test": {"indices": list(range(n_test or 4)), "sha256": "t"},
+                           "train": {"indices": [1, 2], "sha256": "r"}} for t in tasks},
+              "config": {"model": "tiny-llama", "data": {"order": tasks}, "train": {"batch_size": 4},
+                         "eval": {}, "replay": {}}}
+    return record, preds
+
+
+SCORES = {(-1, 0): [0, 0, 0, 0], (-1, 1): [0, 100, 0, 0],
+          (0, 0): [100, 100, 0, 100], (0, 1): [100, 0, 0, 0],
+          (1, 0): [0, 100, 0, 0], (1, 1): [100, 100, 100, 0]}
+
+
+def test_point_estimates_match_the_record_summary():
+    record, preds = make_record(SCORES)
+    iv = run_intervals(record, preds, resamples=200)
+    expected = summarise(record["matrix"], record["zero_shot"])
+    for key, value in expected.items():
+        assert iv["summary"][key] == pytest.approx(value)
+    assert iv["summary"]["bwt"] == pytest.approx(25.0 - 75.0)
+    assert iv["n_items"] == [4, 4] and iv["resamples"] == 200
+    lo, hi = iv["summary_ci"]["bwt"]
+    assert lo <= -50.0 <= hi
+    for row, cis in zip(record["matrix"], iv["matrix_ci"]):
+        for v, ci in zip(row, cis):
+            assert (v is None) == (ci is None)
+            assert v is None or ci[0] <= v <= ci[1]
+    # stage 1: the wrong answers "x" have neither form; stage 0's "8" and "B" have
+    assert iv["form_share"] == [[1.0, 1.0], [0.25, 0.75]]
+    assert iv["summary"]["bwt_format"] + iv["summary"]["bwt_content"] == pytest.approx(-50.0)
+
+
+def test_resamples_are_paired_across_stages():
+    """A task whose items score the same at every stage has BWT exactly 0 in every
+    replicate. Unpaired draws (a fresh draw per stage) would spread it."""
+    same = {(0, 0): [100, 0, 100, 0], (0, 1): [0, 0, 100, 100],
+            (1, 0): [100, 0, 100, 0], (1, 1): [100, 100, 0, 0]}
+    reps = replicates(ItemTable.from_run(*make_record(same)), resamples=300)
+    assert np.all(reps["bwt"] == 0.0)
+
+
+def test_items_scored_differently_across_stages_are_refused():
+    record, preds = make_record(SCORES)
+    preds = [p for p in preds if not (p["stage"] == 1 and p["task"] == "C-STANCE" and p["index"] == 3)]
+    with pytest.raises(ValueError, match="C-STANCE"):
+        ItemTable.from_run(record, preds)
+
+
+def write_run(folder, record, preds):
+    folder.mkdir(parents=True)
+    (folder / "run.json").write_text(json.dumps(record))
+    (folder / "predictions.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preds))
+    return folder
+
+
+def test_compare_gives_paired_differences(tmp_path, capsys):
+    forgets = {(0, 0): [100] * 8, (0, 1): [100] * 4 + [0] * 4, (1, 0): [0] * 8, (1, 1): [100] * 8}
+    keeps = {**forgets, (1, 0): [100] * 6 + [0] * 2}  # keeps task 0: BWT -100 -> -25
+    a = write_run(tmp_path / "a", *make_record(forgets, n_test=8))
+    b = write_run(tmp_path / "b", *make_record(keeps, n_test=8))
+    result = compare([a, b], resamples=500)
+    (comp,) = result["comparisons"]
+    bwt = comp["summaries"]["bwt"]
+    assert bwt["diff"] == pytest.approx(75.0) and bwt["run"] == pytest.approx(-25.0)
+    assert bwt["ci"][0] > 0 and bwt["p"] < 0.05
+    assert comp["summaries"]["stage_acc"]["diff"] == pytest.approx(18.75)
+    same = compare([a, a], resamples=100)["comparisons"][0]["summaries"]["last_acc"]
+    assert same["ci"] == (0.0, 0.0) and same["p"] == 1.0 and same["diff"] == 0.0
+    assert "not distinguishable" in format_comparison(compare([a, a], resamples=100))
+    assert run_cli("compare", a, b, "--format", "json", "--resamples", "100") == 0
+    assert json.loads(capsys.readouterr().out)["comparisons"][0]["method"] == "seqft"
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r: r.update(tasks=["NumGLUE-cm", "FOMC"]), "tasks"),
+    (lambda r: r["data"]["C-STANCE"]["test"].update(indices=[9, 8, 7, 6]), "C-STANCE: test items differ"),
+    (lambda r: r["config"]["train"].update(batch_size=8), "train.batch_size: 4 vs 8"),
+    (lambda r: r["config"].update(model="smollm2-135m"), "model"),
+])
+def test_compare_refuses_runs_that_differ_and_says_how(tmp_path, capsys, change, message):
+    a_rec, a_preds = make_record(SCORES)
+    b_rec, b_preds = make_record(SCORES)
+    change(b_rec)
+    assert any(message in d for d in differences(a_rec, b_rec))
+    a = write_run(tmp_path / "a", a_rec, a_preds)
+    b = write_run(tmp_path / "b", b_rec, b_preds)
+    assert run_cli("compare", a, b) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "not comparable" in err and message in err
