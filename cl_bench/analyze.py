@@ -1,7 +1,13 @@
 """`cl-bench analyze RUN_DIR`: a run record turned into figures, PNG files written
 beside it. Each figure is drawn when the record holds its data:
 
-- heatmap.png: the stage x task score matrix (every run).
+- heatmap.png: the stage x task score matrix, the zero-shot row on top where
+  the run has one, each cell with its 95% interval (every run).
+- tasks.png: per task, the zero-shot score, the score right after learning it
+  and after the last stage, with 95% intervals, and the majority-class level
+  of label tasks: what was learned, and what of it was kept.
+- forms.png: the share of each cell's predictions that have the task's answer
+  form, with BWT's format and content parts (cl_bench/metrics/cl.py, bwt_split).
 - decisions.png: the expansion decision map [layer x slot] per task, Expand in
   dark (methods whose parameter reports carry "decisions", as bilevel-cka).
 - cka.png: CKA per decoder layer between each earlier task's representation
@@ -11,7 +17,8 @@ beside it. Each figure is drawn when the record holds its data:
   stage by gradient norm and by top Hessian eigenvalue, experts that receive
   under 5% of the routing assignments hollow (runs with eval.sharpness > 0).
 
-Nothing is recomputed from a model: the figures show what the run recorded.
+Nothing is recomputed from a model: the figures show what the run recorded
+(the intervals and answer forms come from its predictions, cl_bench/intervals.py).
 
 `--against OTHER_RUN` also compares the cost of the two runs' stages (same task
 order and profile) from their records' timing: training seconds per optimiser
@@ -42,27 +49,105 @@ def _pyplot():
     return plt
 
 
-def heatmap(record: dict, path: Path) -> Path:
+def _with_zero_shot(record: dict, iv: dict | None):
+    """(labels, matrix, intervals) with the zero-shot row first where the run has one."""
+    import numpy as np
+
+    labels = [f"{s['index'] + 1}: {s['label']}" for s in record["stages"]]
+    rows = list(record["matrix"])
+    cis = list((iv or {}).get("matrix_ci") or [[None] * len(record["tasks"])] * len(rows))
+    if record.get("zero_shot") is not None:
+        labels, rows = ["zero-shot", *labels], [record["zero_shot"], *rows]
+        cis = [(iv or {}).get("zero_shot_ci") or [None] * len(record["tasks"]), *cis]
+    return labels, np.array([[np.nan if v is None else v for v in row] for row in rows], dtype=float), cis
+
+
+def _summary_title(record: dict, iv: dict | None, keys) -> str:
+    from cl_bench.report import SUMMARY_NAMES, with_ci
+
+    summary = {**(record.get("summary") or {}), **((iv or {}).get("summary") or {})}
+    cis = (iv or {}).get("summary_ci") or {}
+    return " | ".join(f"{SUMMARY_NAMES[k]} {with_ci(summary[k], cis.get(k))}" for k in keys
+                      if summary.get(k) is not None)
+
+
+def heatmap(record: dict, path: Path, iv: dict | None = None) -> Path:
     import numpy as np
 
     plt = _pyplot()
     tasks = record["tasks"]
-    labels = [f"{s['index'] + 1}: {s['label']}" for s in record["stages"]]
-    matrix = np.array([[np.nan if v is None else v for v in row] for row in record["matrix"]], dtype=float)
-    fig, ax = plt.subplots(figsize=(0.9 * len(tasks) + 3.5, 0.6 * len(labels) + 2))
+    labels, matrix, cis = _with_zero_shot(record, iv)
+    fig, ax = plt.subplots(figsize=(1.3 * len(tasks) + 3.5, 0.7 * len(labels) + 2))
     image = ax.imshow(matrix, cmap="viridis", vmin=0, vmax=max(1.0, float(np.nanmax(matrix)) if np.isfinite(matrix).any() else 1.0))
     for (i, j), value in np.ndenumerate(matrix):
         if np.isfinite(value):
-            ax.text(j, i, f"{value:.1f}", ha="center", va="center", color="white", fontsize=8)
+            ci = cis[i][j]
+            text = f"{value:.1f}" + (f"\n[{ci[0]:.0f}, {ci[1]:.0f}]" if ci else "")
+            ax.text(j, i, text, ha="center", va="center", color="white", fontsize=7)
     ax.set_xticks(range(len(tasks)), tasks, rotation=30, ha="right")
     ax.set_yticks(range(len(labels)), labels)
     ax.set_xlabel("task evaluated")
     ax.set_ylabel("after stage")
-    summary = record.get("summary") or {}
-    parts = [f"{name} {summary[key]:.1f}" for key, name in (("last_acc", "Last Acc"), ("stage_acc", "Stage Acc"),
-                                                          ("bwt", "BWT")) if summary.get(key) is not None]
-    ax.set_title(f"{record['method']} on {record['model']['id']}\n" + " | ".join(parts), fontsize=9)
+    title = _summary_title(record, iv, ("last_acc", "stage_acc", "bwt", "fwt"))
+    ax.set_title(f"{record['method']} on {record['model']['id']} (95% intervals over items)\n{title}", fontsize=8)
     fig.colorbar(image, ax=ax, label="score (0-100)")
+    return _save(fig, path)
+
+
+def tasks_figure(record: dict, path: Path, iv: dict | None) -> Path | None:
+    """Per task: zero-shot, right after learning (R[j][j]) and at the end (R[T-1][j])."""
+    import numpy as np
+
+    plt = _pyplot()
+    R, tasks = record["matrix"], record["tasks"]
+    if len(R) != len(tasks) or iv is None:
+        return None
+    zero, zci = record.get("zero_shot"), iv.get("zero_shot_ci")
+    bars = [("zero-shot", [None if zero is None else zero[j] for j in range(len(tasks))],
+             [None if zci is None else zci[j] for j in range(len(tasks))]),
+            ("just learned", [R[j][j] for j in range(len(tasks))], [iv["matrix_ci"][j][j] for j in range(len(tasks))]),
+            ("after the last stage", R[-1], iv["matrix_ci"][-1])]
+    fig, ax = plt.subplots(figsize=(1.4 * len(tasks) + 2, 4))
+    x = np.arange(len(tasks))
+    for k, (label, values, cis) in enumerate(bars):
+        v = np.array([np.nan if a is None else a for a in values])
+        err = np.array([[0, 0] if c is None or a is None else [a - c[0], c[1] - a] for a, c in zip(values, cis)]).T
+        ax.bar(x + (k - 1) * 0.27, v, 0.27, yerr=err, capsize=2, label=label)
+    for j, task in enumerate(tasks):
+        m = (record.get("majority") or {}).get(task)
+        if m:
+            ax.hlines(m["score"], j - 0.42, j + 0.42, colors="k", linestyles="dashed",
+                      label="majority class" if j == min(i for i, t in enumerate(tasks) if t in record["majority"]) else None)
+    ax.set_xticks(x, tasks, rotation=30, ha="right")
+    ax.set_ylabel("score (0-100), 95% intervals")
+    ax.set_title(f"{record['method']}: learned and kept\n" + _summary_title(record, iv, ("bwt", "fwt")), fontsize=9)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def forms(record: dict, path: Path, iv: dict | None) -> Path | None:
+    import numpy as np
+
+    plt = _pyplot()
+    if iv is None or not iv.get("form_share"):
+        return None
+    tasks = record["tasks"]
+    labels = [f"{s['index'] + 1}: {s['label']}" for s in record["stages"]]
+    rows = iv["form_share"]
+    if record.get("zero_shot") is not None and iv.get("zero_shot_form_share"):
+        labels, rows = ["zero-shot", *labels], [iv["zero_shot_form_share"], *rows]
+    share = np.array([[np.nan if v is None else 100 * v for v in row] for row in rows], dtype=float)
+    fig, ax = plt.subplots(figsize=(1.1 * len(tasks) + 3.5, 0.6 * len(labels) + 2))
+    image = ax.imshow(share, cmap="magma", vmin=0, vmax=100)
+    for (i, j), value in np.ndenumerate(share):
+        if np.isfinite(value):
+            ax.text(j, i, f"{value:.0f}%", ha="center", va="center", color="white" if value < 60 else "black",
+                    fontsize=8)
+    ax.set_xticks(range(len(tasks)), tasks, rotation=30, ha="right")
+    ax.set_yticks(range(len(labels)), labels)
+    ax.set_title(f"{record['method']}: share of answers in the task's form\n"
+                 + _summary_title(record, iv, ("bwt", "bwt_format", "bwt_content")), fontsize=8)
+    fig.colorbar(image, ax=ax, label="well-formed predictions (%)")
     return _save(fig, path)
 
 
@@ -192,8 +277,15 @@ def analyze(run_dir: Path, against: Path | None = None, from_stage: int = 0,
             calibrate_stage: int | None = None) -> list[Path]:
     """Write every figure the record of `run_dir` supports (and, with `against`,
     the cost comparison); returns their paths."""
+    from cl_bench.intervals import record_intervals
+
     record = _record(run_dir)
-    out = [heatmap(record, run_dir / "heatmap.png")]
+    iv = record_intervals(record, run_dir)
+    out = [heatmap(record, run_dir / "heatmap.png", iv)]
+    for draw, name in ((tasks_figure, "tasks.png"), (forms, "forms.png")):
+        drawn = draw(record, run_dir / name, iv)
+        if drawn is not None:
+            out.append(drawn)
     for draw, name in ((decisions, "decisions.png"), (cka, "cka.png"), (sharpness, "sharpness.png")):
         drawn = draw(record, run_dir / name)
         if drawn is not None:

@@ -179,6 +179,8 @@ def cmd_list(args) -> int:
         print(f"{name:<{width}}  {cls.description}{alias}" + (f"  [{', '.join(tags)}]" if tags else ""))
         if args.verbose:
             print(f"{'':<{width}}    backends: {_support(cls)}")
+            if cls.lr_family:
+                print(f"{'':<{width}}    lr family: {cls.lr_family} (a profile's train.lr_by_family sets its lr)")
             for arg, typ, default in cls.arg_table():
                 print(f"{'':<{width}}    {arg}: {typ} = {default!r}")
     for b in registry.broken():

@@ -20,7 +20,7 @@ from cl_bench.metrics import bootstrap
 from cl_bench.metrics.answer_form import RULES, well_formed
 from cl_bench.metrics.cl import bwt_split, summarise
 
-SUMMARIES = ("last_acc", "stage_acc", "bwt", "fwt", "forgetting", "bwt_format", "bwt_content")
+SUMMARIES = ("last_acc", "stage_acc", "bwt", "fwt", "forgetting", "learn_gain", "bwt_format", "bwt_content")
 SEED = 0  # the bootstrap's own seed: fixed, so every run of the same items shares its draws
 
 

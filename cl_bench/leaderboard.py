@@ -24,7 +24,7 @@ from tabulate import tabulate
 from cl_bench import registry
 from cl_bench.compare import differences
 from cl_bench.errors import UserError
-from cl_bench.intervals import ItemTable, replicates
+from cl_bench.intervals import ItemTable, point_summaries, replicates
 from cl_bench.metrics import bootstrap
 from cl_bench.results import PREDICTIONS_FILE, SCHEMA_VERSION, atomic_write_text, read_jsonl
 
@@ -35,7 +35,8 @@ FORMATS = ("md", "csv", "latex")
 MISSING = "–"  # en dash, for md and latex; csv leaves the cell empty
 
 # (record field under "summary", column stem); each gets "<stem> mean" and "<stem> std"
-SCORES = (("last_acc", "Last Acc"), ("stage_acc", "Stage Acc"), ("bwt", "BWT"))
+# learn_gain: mean over tasks of R[j][j] - zero-shot (runs with the zero-shot row)
+SCORES = (("last_acc", "Last Acc"), ("stage_acc", "Stage Acc"), ("bwt", "BWT"), ("learn_gain", "Gain"))
 # (field of the last stage's params report, column)
 PARAMS = (
     ("total", "Total params"),
@@ -84,6 +85,7 @@ def load_runs(runs_dir: Path, exclude: list[str] = (), include: list[str] = ()) 
             skipped.append(str(path))
             continue
         run["_path"] = str(path)
+        run["_items"] = _items(run)
         runs.append(run)
     if not runs:
         raise UserError(
@@ -146,7 +148,9 @@ def _flatten(run: dict) -> dict:
         "Seed": run.get("seed"),
         "Wall time (min)": None if total_s is None else total_s / 60,
     }
-    row.update({stem: summary.get(key) for key, stem in SCORES})
+    # a summary the record predates (learn_gain) comes from its predictions
+    point = point_summaries(run["_items"]) if run.get("_items") is not None else {}
+    row.update({stem: summary[key] if key in summary else point.get(key) for key, stem in SCORES})
     row.update({col: last.get(key) for key, col in PARAMS})
     base = (run.get("model") or {}).get("n_params")
     row["Added"] = None if base is None or last.get("deployed") is None else last["deployed"] - base
@@ -155,13 +159,16 @@ def _flatten(run: dict) -> dict:
     return row
 
 
-def _run_replicates(run: dict) -> dict | None:
-    """Bootstrap replicates of the run's summaries from its predictions; None when
-    the run folder has none (a record copied without them)."""
+def _items(run: dict) -> ItemTable | None:
+    """The run's item table from its predictions; None when the run folder has none
+    (a record copied without them)."""
     predictions = read_jsonl(Path(run["_path"]).parent / PREDICTIONS_FILE)
-    if not predictions:
-        return None
-    return replicates(ItemTable.from_run(run, predictions), bootstrap.RESAMPLES)
+    return ItemTable.from_run(run, predictions) if predictions else None
+
+
+def _run_replicates(run: dict) -> dict | None:
+    """Bootstrap replicates of the run's summaries from its predictions."""
+    return None if run.get("_items") is None else replicates(run["_items"], bootstrap.RESAMPLES)
 
 
 def _group_replicates(runs: list[dict]) -> dict | None:
@@ -267,7 +274,7 @@ def _display_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
         method = f"{label} (reference)" if rec["Reference"] else label
         row = [method, str(rec["Model"]), str(rec["Profile"]), str(rec["Tasks"]), str(rec["Runs"])]
         row += [_score_cell(*(rec[f"{stem} {x}"] for x in ("mean", "std", "lo", "hi"))) for _, stem in SCORES]
-        row += [MISSING if rec[col] is None else rec[col] for col in MARKS]
+        row += [MISSING if pd.isna(rec[col]) else rec[col] for col in MARKS]
         row += [humanise(rec[col]) for col in COUNTS]
         row.append(MISSING if pd.isna(rec["Expansion"]) else f"{100 * rec['Expansion']:.0f}%")
         wall = rec["Wall time (min)"]

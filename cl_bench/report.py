@@ -6,7 +6,8 @@ from __future__ import annotations
 from tabulate import tabulate
 
 SUMMARY_NAMES = {"last_acc": "Last Acc", "stage_acc": "Stage Acc", "bwt": "BWT", "fwt": "FWT",
-                 "forgetting": "Forgetting", "bwt_format": "BWT format", "bwt_content": "BWT content"}
+                 "forgetting": "Forgetting", "learn_gain": "Gain", "bwt_format": "BWT format",
+                 "bwt_content": "BWT content"}
 
 
 def _fmt(value) -> str:

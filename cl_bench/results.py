@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import platform
+import re
 import random
 import shutil
 import stat
@@ -115,13 +117,18 @@ def git_commit() -> str | None:
 # ---- checkpoints ---------------------------------------------------------------
 
 def rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
+    """Python's, numpy's and torch's generator states as tensors and plain values
+    (numpy's key array as a tensor), so checkpoints load with weights_only=True."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(),
+            "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
             "torch": torch.get_rng_state()}
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
 
 
@@ -141,9 +148,20 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:
 
 
 def load_checkpoint(run_dir: Path) -> dict[str, Any]:
+    """The last checkpoint, loaded with `weights_only=True`: tensors and plain types
+    only, so a checkpoint from someone else cannot run code on --resume."""
     for name in (CHECKPOINT_DIR, f"{CHECKPOINT_DIR}.old"):
         path = run_dir / name / "state.pt"
         if path.exists():
-            return torch.load(path, map_location="cpu", weights_only=False)
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as exc:
+                found = re.search(r"GLOBAL ([\w.]+)", str(exc))  # what the file asked to import
+                first = f"it imports {found.group(1)}" if found else type(exc).__name__
+                raise UserError(f"{path}: refused: it holds more than tensors and plain values ({first}); "
+                                f"a cl-bench checkpoint never does, so it was not written by cl-bench") from None
+            except (EOFError, RuntimeError, OSError) as exc:
+                raise UserError(f"{path}: unreadable checkpoint ({type(exc).__name__}); the run cannot "
+                                f"resume from it: start it again under a new --run-id") from None
     raise UserError(f"{run_dir}: no checkpoint to resume from (the run stopped before its "
                     f"first stage finished); start it again without --resume")

@@ -86,6 +86,7 @@ def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: 
     config comes from that run's record and its checkpoint is restored.
     Everything that can be checked without a model is checked first. `command`:
     the command line to record (default: this process's)."""
+    t_start = time.perf_counter()
     command = command or shlex.join(["cl-bench", *sys.argv[1:]])
     if resume_dir is not None:
         record = results.read_record(resume_dir)
@@ -133,6 +134,8 @@ def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: 
         run.probe = RepresentationProbe(config.eval.cka_probe, config.eval.cka_probe_tokens)
     if resume_dir is not None:
         _restore(run, command)
+    else:  # validation, data, model load and method set-up, before the first evaluation
+        record["timing"]["prepare_s"] = round(time.perf_counter() - t_start, 2)
     backend.barrier()  # every rank has read what rank 0 is about to rewrite
     return run
 
@@ -286,12 +289,14 @@ def execute(run: Run, keep_checkpoint: bool = False) -> dict[str, Any]:
     try:
         ev = run.config.eval
         if (ev.eval_all or ev.zero_shot) and rec["zero_shot"] is None:
+            t0 = time.perf_counter()
             evals = _evaluate(run, "zero-shot", list(range(len(run.tasks))),
                               run.method.eval_model(run.stages[0]))
             rec["zero_shot"] = [evals[j].score for j in range(len(run.tasks))]
             for j, ev_j in evals.items():  # stage -1: the zero-shot row, before any training
                 rec["task_metrics"].append({"stage": results.ZERO_SHOT_STAGE, "task": run.tasks[j].name, **ev_j.details})
                 run.predictions.extend({"stage": results.ZERO_SHOT_STAGE, **row} for row in ev_j.rows)
+            rec["timing"]["zero_shot_s"] = round(time.perf_counter() - t0, 2)
             _write(run)
         for stage in run.stages[rec["stages_done"]:]:
             _run_stage(run, stage)
@@ -396,7 +401,9 @@ def _run_stage(run: Run, stage: Stage) -> None:
     rec["timing"]["stages"].append({"stage": stage.index, "train_s": round(train_s, 2),
                                     "eval_s": round(eval_s, 2), "steps": n_steps,
                                     "peak_rss_mb": round(peak_rss_mb(), 1)})
-    rec["timing"]["total_s"] = round(sum(s["train_s"] + s["eval_s"] for s in rec["timing"]["stages"]), 2)
+    # total_s: the stages (training + evaluation) and the zero-shot row; prepare_s (loading) apart
+    rec["timing"]["total_s"] = round(sum(s["train_s"] + s["eval_s"] for s in rec["timing"]["stages"])
+                                     + rec["timing"].get("zero_shot_s", 0.0), 2)
     used = (rec["replay"] or {}).get("used", 0) + replayed
     rec["replay"] = {**run.replay.summary(), "used": used}
     rec["stages_done"] = stage.index + 1

@@ -71,7 +71,11 @@ s = 20 it keeps s * C's logits near unit scale at the start), a new E_t the mean
 of E_0..E_{t-2} (the code leaves out the most recent expert; E_0 and E_1 start
 fresh). From the reference notes' adaptation: G = 8, AdamW 5e-4, 3% warm-up,
 cosine, RMSNorm for LayerNorm, sequence-level pooling. Chosen (no published
-value): the adapters' Linear layers trunc-normal(0.02) with zero biases; the
+value): the adapters' Linear layers trunc-normal(0.02) with zero biases, as
+the router and perceiver (not nn.Linear's Kaiming-uniform, whose std
+1/sqrt(3 fan_in) would be 0.14 for the up-projection from width 16); every
+trunc-normal here is torch's, cut at +-2 absolute, so at std 0.02 the cut never
+bites and the std is 0.02; the
 k-means details (L2-normalised features, k-means++, <= 50 iterations); the
 diagnostics below (16 test examples per seen task, 0 turns them off).
 
@@ -88,7 +92,14 @@ oracle_gap, the mean of their differences (nats; a run with oracle routing is
 impossible, as the harness evaluates every task through one model without its
 task ID). Also pseudo_label_sizes; shared_drift = ||Ebar - Ebar_start|| /
 ||Ebar_start|| over the task (task 0: from initialisation) and
-shared_drift_since_task0 (against Ebar after task 0).
+shared_drift_since_task0 (against Ebar after task 0). And perceiver_ce_end:
+the mean perceiver_ce of the stage's last ceil(10%) of steps (at least one; the
+current perceivers on the training batches, as logged). perceiver_uniform is
+true when |perceiver_ce_end - ln G| <= 0.05 ln G (0.10 nats at G = 8;
+UNIFORM_CE_TOL): the perceivers still give s * logits about as flat as
+uniform, so their entropies cannot tell this task from others, and entropy
+routing decides nothing. Such a stage logs a warning and lists it in warnings
+(a list of messages, empty when none).
 
 Differences from the code and the paper, and why:
 - Sequence-level routing on prompt tokens replaces the CLS token; perceivers
@@ -108,6 +119,7 @@ Differences from the code and the paper, and why:
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -125,6 +137,9 @@ from cl_bench.prompt_pool import DECODE, PromptPool, masked_mean, prompt_mask
 from cl_bench.registry import register_method
 
 ROUTER_INPUTS = ("expert", "residual")
+UNIFORM_CE_TOL = 0.05  # perceiver_uniform: |CE - ln G| <= this share of ln G (module docstring)
+
+log = logging.getLogger(__name__)
 
 # Letters: B batch, T tokens, d width, n triplets in a layer (tasks so far), G
 # pseudo-classes, L decoder layers.
@@ -430,6 +445,7 @@ class CaRE(Method):
         self._labels: dict[bytes, int] = {}
         self._centroids: torch.Tensor | None = None
         self._record: dict[str, Any] = {}
+        self._perceiver_ce: dict[int, list[float]] = {}  # step -> perceiver_ce of its micro-batches
         self._set_trainable()
 
     # ---- task start ---------------------------------------------------------------
@@ -445,7 +461,7 @@ class CaRE(Method):
         self._anchor = ([p.detach().clone() for p in self._shared_params()]
                         if t >= 1 and self.args.anchor > 0 else None)
         self._n_steps = self.stage_steps(stage)
-        self._record = {}
+        self._record, self._perceiver_ce = {}, {}
         self._labels, self._centroids = {}, None
         if self.ctx is not None and stage.tasks:
             self._cluster(stage)
@@ -554,6 +570,7 @@ class CaRE(Method):
         logits = [r["perceiver"][t] for r in records]  # L x (B, G): the current perceivers
         pc, ce, kl = perceiver_loss(logits, y, a.logit_scale, self.temperatures())
         hits = torch.stack([(r["entropy"].argmin(dim=1) == t).float().mean() for r in records])
+        self._perceiver_ce.setdefault(step, []).append(ce.item())
         return lm + a.perceiver_weight * pc, {"lm": lm.item(), "perceiver": pc.item(), "perceiver_ce": ce.item(),
                                               "perceiver_kl": kl.item(), "task_id_acc": hits.mean().item()}
 
@@ -575,8 +592,26 @@ class CaRE(Method):
         self._record["shared_drift"] = _round(_relative(now, self._shared_start))
         self._record["shared_drift_since_task0"] = (None if self._shared_task0 is None
                                                     else _round(_relative(now, self._shared_task0)))
+        self._record.update(self._uniformity(stage))
         if self.ctx is not None and self.args.diag_examples > 0:
             self._record.update(self.diagnostics(self.ctx.all_tasks[:stage.index + 1]))
+
+    def _uniformity(self, stage: Stage) -> dict[str, Any]:
+        """perceiver_ce_end, perceiver_uniform and warnings of the stage (module docstring)."""
+        steps = sorted(self._perceiver_ce)
+        if not steps:
+            return {"perceiver_ce_end": None, "perceiver_uniform": None, "warnings": []}
+        tail = [ce for s in steps[-math.ceil(0.1 * len(steps)):] for ce in self._perceiver_ce[s]]
+        ce_end, uniform_ce = sum(tail) / len(tail), math.log(self.args.pseudo_classes)
+        uniform = abs(ce_end - uniform_ce) <= UNIFORM_CE_TOL * uniform_ce
+        warnings = []
+        if uniform:
+            warnings.append(f"stage {stage.index} ({stage.label}): the perceivers' cross-entropy at the "
+                            f"stage's end, {ce_end:.4f}, is within {UNIFORM_CE_TOL:.0%} of ln G = "
+                            f"{uniform_ce:.4f} (uniform): they did not learn the pseudo-classes, so "
+                            f"entropy routing cannot tell this task apart")
+            log.warning("care: %s", warnings[-1])
+        return {"perceiver_ce_end": _round(ce_end), "perceiver_uniform": uniform, "warnings": warnings}
 
     @torch.no_grad()
     def diagnostics(self, tasks: list) -> dict[str, Any]:

@@ -6,12 +6,16 @@ Schwarz et al., 2018):
 θ* = the weights at the end of task t−1, F the accumulated Fisher:
     F ← γ·F + F_new after each task,   F_new,j = (1/B) Σ_b (∂ℓ_b/∂θ_j)²
 over B Fisher batches of `fisher_batch_size` training examples of the task
-just trained (per-example when 1, the empirical Fisher), ℓ_b = the batch's
-answer-token negative log-likelihood as trained (`lm_loss`: mean over answer
-tokens + EOS). That per-token mean keeps F on the scale of the training loss;
-the sequence-level log-likelihood would multiply an example's F by its answer
-length squared. λ absorbs either scale. Task 0 has no penalty. F and θ* are
-fp32, on the model's device, and saved for resume; F is not computed after
+just trained (per-example when 1, the empirical Fisher), with ℓ_b the batch's
+mean sequence negative log-likelihood:
+    ℓ_b = (1/|b|) Σ_{i∈b} Σ_{k ∈ answer_i} −log p_θ(y_{i,k} | x_i, y_{i,<k})
+(answer tokens + EOS, the tokens `lm_loss` trains on, summed per example; for
+one example, ℓ = −log p_θ(y | x) of the whole answer). Each answer token's
+gradient enters ∂ℓ with weight 1 whatever the answer's length L. The per-token
+mean (the training loss) would weight it 1/L, so an example's F would scale
+as 1/L² and a long-answer task would be protected far less than a two-token
+one, a difference λ cannot absorb across tasks. Task 0 has no penalty. F and θ*
+are fp32, on the model's device, and saved for resume; F is not computed after
 the last stage (no later task to protect).
 
 The penalty's gradient λ·F_j(θ_j − θ*_j) is added to the gradients once per
@@ -24,6 +28,9 @@ Differences from TRACE's EWC.py (reference/baselines.md, "EWC"), on purpose:
 - TRACE adds g²/N_batches of every training step's mini-batch gradient to F
   through all epochs and tasks, including the task being trained; here F_new
   comes after the task, from per-example gradients of its data.
+- TRACE's g is the gradient of the training loss, the per-token mean over the
+  micro-batch's answer tokens; here ℓ is each example's sequence negative
+  log-likelihood (above), the standard form's per-sample log-likelihood.
 - TRACE keeps F in the parameters' dtype (bf16) and θ* on the CPU; here both
   are fp32 on the model's device.
 - TRACE's λ = 400 matches its differently scaled F. The default λ = 1e6 comes
@@ -32,8 +39,13 @@ Differences from TRACE's EWC.py (reference/baselines.md, "EWC"), on purpose:
   1e-3 of the loss and the runs equal each other (Last Acc 12.5, BWT 0.0);
   λ = 1e6 is the smallest tried at which EWC acts (penalty 0.43 beside a CE of
   3.4 by the task's end): Last Acc 12.5, BWT +4.2 (NumGLUE-ds kept and one
-  more answer right; C-STANCE 4.2 -> 0.0). Rule: best Last Acc, then BWT. The
-  per-example Fisher of a per-token mean loss is small, hence the large λ; a
+  more answer right; C-STANCE 4.2 -> 0.0). Rule: best Last Acc, then BWT. That
+  sweep ran with the earlier F, built from the per-token mean loss: the
+  per-example Fisher of a mean is small, hence the large λ. The sequence
+  log-likelihood multiplies one example's F by exactly L² (L its answer tokens
+  + EOS; with SmolLM2's tokenizer, on the 500-row release's training answers,
+  L² = 4 on C-STANCE, 4 to 36 on NumGLUE-ds, mean 12.6), so the same λ now
+  weighs the penalty more and is kept only until it is swept again. A
   different model or profile needs its own sweep. Every run records its λ.
 """
 from __future__ import annotations
@@ -44,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cl_bench.data import Encoder, collate
+from cl_bench.data import IGNORE, Encoder, collate
 from cl_bench.errors import UserError
 from cl_bench.method import Method, MethodArgs, Stage, lm_loss
 from cl_bench.registry import register_method
@@ -65,6 +77,17 @@ class EWCArgs(MethodArgs):
         for name in ("fisher_examples", "fisher_batch_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"method_args.{name}={getattr(self, name)} must be at least 1")
+
+
+def sequence_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The batch's mean over examples of each example's summed answer-token NLL,
+    −(1/B) Σ_i log p(y_i | x_i), in fp32 (labels -100 excluded, as in `lm_loss`)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   use_cache=False).logits[:, :-1]  # (B, T-1, V): position k predicts token k+1
+    targets = batch["labels"][:, 1:]  # (B, T-1)
+    total = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                              ignore_index=IGNORE, reduction="sum")
+    return total / batch["input_ids"].shape[0]
 
 
 @register_method("ewc")
@@ -130,7 +153,7 @@ class EWC(Method):
 
     def fisher_of(self, stage: Stage) -> dict[str, torch.Tensor]:
         """F_new: the mean over Fisher batches of the squared gradient of the batch's
-        answer-token loss, for every trainable parameter, fp32."""
+        mean sequence NLL (`sequence_nll`), for every trainable parameter, fp32."""
         a, cfg = self.args, self.ctx.config
         examples = [e for task in stage.tasks for e in task.train]
         order = list(range(len(examples)))
@@ -147,7 +170,7 @@ class EWC(Method):
             for start in range(0, len(rows), a.fisher_batch_size):
                 batch = collate(rows[start:start + a.fisher_batch_size], self.ctx.tokenizer.pad_token_id)
                 batch = {k: v.to(self.ctx.device) for k, v in batch.items()}
-                grads = torch.autograd.grad(lm_loss(self.model, batch), [p for _, p in named],
+                grads = torch.autograd.grad(sequence_nll(self.model, batch), [p for _, p in named],
                                             allow_unused=True)
                 for (n, _), g in zip(named, grads):
                     if g is not None:

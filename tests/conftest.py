@@ -21,6 +21,16 @@ torch.set_num_threads(1)
 SMOKE_TASKS = ["NumGLUE-cm", "Py150", "20Minuten"]
 
 
+def pytest_addoption(parser):
+    parser.addoption("--data-dir", help="the TRACE release for the real-data tests (default: $CL_BENCH_DATA, "
+                                        "then ../shared/trace/LLM-CL-Benchmark_500)")
+
+
+def pytest_configure(config):
+    if config.getoption("--data-dir"):
+        os.environ["CL_BENCH_DATA"] = str(Path(config.getoption("--data-dir")).resolve())
+
+
 def _example(task: str, rng: random.Random) -> dict:
     a, b = rng.randint(1, 9), rng.randint(1, 9)
     if task == "Py150":

@@ -168,4 +168,26 @@ def test_a_run_with_probes_records_them_survives_resume_and_analyze_draws_them(t
     assert json.loads((run_dir / "run.json").read_text())["probes"] == record["probes"]
 
     assert run_cli("analyze", str(only_run(straight))) == 0
-    assert {p.name for p in only_run(straight).glob("*.png")} == {"heatmap.png", "cka.png", "sharpness.png"}
+    assert {p.name for p in only_run(straight).glob("*.png")} == {"heatmap.png", "tasks.png", "forms.png",
+                                                                   "cka.png", "sharpness.png"}
+
+
+def test_analyze_draws_intervals_tasks_and_forms_from_the_predictions(tmp_path):
+    """With predictions beside the record: the per-task figure (zero-shot, just
+    learned, last) and the answer-form shares, titled with BWT's two parts."""
+    run = tmp_path / "run"
+    run.mkdir()
+    record = _record(tasks=["NumGLUE-cm", "C-STANCE"], zero_shot=[0.0, 0.0],
+                     majority={"C-STANCE": {"answer": "A", "score": 50.0}},
+                     matrix=[[50.0, None], [0.0, 100.0]])
+    preds = [{"stage": b, "task": t, "index": i, "prompt": "p", "answer": a, "prediction": p_, "score": s}
+             for b, t, a, rows in ((-1, "NumGLUE-cm", "7", [("x", 0.0), ("x", 0.0)]),
+                                   (-1, "C-STANCE", "A", [("x", 0.0), ("x", 0.0)]),
+                                   (0, "NumGLUE-cm", "7", [("7", 100.0), ("8", 0.0)]),
+                                   (1, "NumGLUE-cm", "7", [("A", 0.0), ("A", 0.0)]),
+                                   (1, "C-STANCE", "A", [("A", 100.0), ("A", 100.0)]))
+             for i, (p_, s) in enumerate(rows)]
+    (run / "run.json").write_text(json.dumps(record))
+    (run / "predictions.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preds))
+    assert [p.name for p in analyze(run)] == ["heatmap.png", "tasks.png", "forms.png"]
+    assert all(_png(run / n) for n in ("tasks.png", "forms.png"))

@@ -21,6 +21,7 @@ def test_two_tasks():
         "bwt": pytest.approx(-30.0),
         "fwt": None,
         "forgetting": pytest.approx(30.0),
+        "learn_gain": None,  # no zero-shot row
     }
 
 
@@ -90,16 +91,17 @@ def test_individual_diagonal():
         "bwt": None,
         "fwt": None,
         "forgetting": None,
+        "learn_gain": None,
     }
 
 
 def test_multitask_single_row():
     # Joint training: one stage evaluated on all 3 tasks.
-    # last_acc = (70 + 80 + 90)/3 = 80; stage_acc only sees j <= 0 -> 70;
-    # bwt, fwt and forgetting need more stages -> None.
+    # last_acc = (70 + 80 + 90)/3 = 80; Stage Acc needs one stage per task (row 0
+    # is not "after task 0" here), and bwt, fwt and forgetting need more stages -> None.
     R = [[70, 80, 90]]
     assert last_acc(R) == pytest.approx(80.0)
-    assert stage_acc(R) == pytest.approx(70.0)
+    assert stage_acc(R) is None
     assert bwt(R) is None
     assert forgetting(R) is None
     assert fwt(R, [10, 20, 30]) is None  # no R[1][2] to read
@@ -131,10 +133,20 @@ def test_bwt_is_not_clamped():
 
 
 def test_degenerate_matrices():
-    assert summarise([]) == dict.fromkeys(["last_acc", "stage_acc", "bwt", "fwt", "forgetting"])
+    assert summarise([]) == dict.fromkeys(["last_acc", "stage_acc", "bwt", "fwt", "forgetting", "learn_gain"])
     assert summarise([[N, N], [N, N]])["last_acc"] is None
     assert stage_acc([[N, N], [N, N]]) is None
     # One task: accuracy is defined, transfer is not (T - 1 = 0).
     one = summarise([[50]], zero_shot=[10])
     assert (one["last_acc"], one["stage_acc"]) == (50.0, 50.0)
     assert one["bwt"] is None and one["fwt"] is None and one["forgetting"] is None
+    assert one["learn_gain"] == pytest.approx(40.0)  # 50 - 10
+
+
+def test_learning_gain_against_the_zero_shot_row():
+    # R3's diagonal 80, 90, 70 against zero-shot 20, 30, 70: gains 60, 60, 0 -> 40
+    from cl_bench.metrics.cl import learn_gain
+
+    assert learn_gain(R3, [20, 30, 70]) == pytest.approx(40.0)
+    assert learn_gain(R3, None) is None
+    assert learn_gain([[80, N, N], [85, N, N], [60, 85, 70]], [20, 30, 70]) is None  # R[1][1] missing

@@ -4,6 +4,7 @@ the anchored shared adapter, the stage records, and end-to-end runs."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from types import SimpleNamespace
 
@@ -17,8 +18,8 @@ from cl_bench.data import IGNORE, Encoder, collate
 from cl_bench.errors import UserError
 from cl_bench.generation import greedy_generate
 from cl_bench.method import MethodContext, Stage
-from cl_bench.methods.care import (_key, entropy, kmeans, lr_factor, perceiver_loss, select_routers,
-                                   top_k_softmax)
+from cl_bench.methods.care import (UNIFORM_CE_TOL, _key, entropy, kmeans, lr_factor, perceiver_loss,
+                                   select_routers, top_k_softmax)
 from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import schedule_report
 from cl_bench.prompt_pool import DECODE, POOL, PromptPool, masked_mean, prompt_mask
@@ -344,6 +345,30 @@ def test_setup_starts_as_the_base_model_and_triplets_are_as_the_code_makes_them(
     assert not torch.equal(e[1].down.weight, e[0].down.weight)  # E_1 starts fresh
 
 
+def test_adapters_routers_and_perceivers_start_trunc_normal_at_init_std():
+    """Every new Linear: weights trunc-normal(init_std), biases 0 (not nn.Linear's
+    Kaiming-uniform: std 1/sqrt(3 * 16) = 0.14 for an up-projection from width 16)."""
+    for std in (0.02, 0.05):
+        method, _ = make(init_std=std)
+        method.before_task(stage(0))
+        method.before_task(stage(1))  # E_1 starts fresh too (from E_2 on: a mean of earlier experts)
+        groups = {"down": [], "up": [], "router and perceiver": []}
+        biases = []
+        for layer in method.layers:
+            for adapter in (layer.shared, *(t.expert for t in layer.triplets)):
+                groups["down"].append(adapter.down)
+                groups["up"].append(adapter.up)
+            groups["router and perceiver"] += [m for t in layer.triplets for m in (t.router, t.perceiver)]
+        for name, linears in groups.items():
+            w = torch.cat([m.weight.detach().flatten() for m in linears])  # >= 2,400 entries per group
+            assert w.std().item() == pytest.approx(std, rel=0.05), name
+            assert abs(w.mean().item()) < 0.1 * std and w.abs().max().item() < 6 * std, name
+            biases += [m.bias for m in linears]
+        assert all(torch.equal(b, torch.zeros_like(b)) for b in biases)
+        gains = torch.cat([t.perceiver_norm.weight.detach() for layer in method.layers for t in layer.triplets])
+        assert gains.std().item() == pytest.approx(std, rel=0.15)  # 256 entries
+
+
 def test_residual_router_input_reads_z_a_not_the_experts():
     for router_input, moved in (("expert", True), ("residual", False)):
         method, model = make(router_input=router_input)
@@ -460,6 +485,34 @@ def test_stage_records_task_id_accuracy_oracle_gap_and_drift():
     assert rec["oracle_gap"] == pytest.approx(sum(gaps) / 2, abs=1e-5)
     assert rec["shared_drift_since_task0"] is not None and rec["experts_per_layer"] == [2, 2]
     assert sum(rec["pseudo_label_sizes"]) == 8
+
+
+def test_a_stage_whose_perceivers_stay_uniform_warns_and_a_trained_one_does_not(caplog):
+    """perceiver_ce_end within UNIFORM_CE_TOL * ln G of ln G: a warning in the stage record
+    and the log. Untrained perceivers (weight 0: no gradient) stay there; trained ones
+    leave (pooling z_a, which is not 0 at the start as E_0(z_a) is, and a large lr:
+    10 steps take the CE from 2.08 to 1.68)."""
+    uniform = math.log(G)
+    for weight, args, steps, warns in ((0.0, {"lr": 1e-2}, 3, True),
+                                       (1.0, {"lr": 3e-2, "router_input": "residual"}, 10, False)):
+        method, _ = make(n_tasks=1, perceiver_weight=weight, diag_examples=0, **args)
+        method.before_task(stage(0))
+        method._n_steps = steps  # the schedule over these steps (the stage's own: 2)
+        _, parts = train(method, stage(0), steps)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="cl_bench.methods.care"):
+            method.after_task(stage(0))
+        rec = method.param_report()
+        assert rec["perceiver_ce_end"] == pytest.approx(parts["perceiver_ce"], abs=1e-6)  # <= 10 steps: the last
+        assert rec["perceiver_uniform"] is warns
+        if warns:
+            assert abs(rec["perceiver_ce_end"] - uniform) <= UNIFORM_CE_TOL * uniform
+            (message,) = rec["warnings"]
+            assert "ln G" in message and "stage 0" in message
+            assert [r.getMessage() for r in caplog.records] == [f"care: {message}"]
+        else:
+            assert rec["perceiver_ce_end"] < (1 - UNIFORM_CE_TOL) * uniform
+            assert rec["warnings"] == [] and not caplog.records
 
 
 def test_bad_arguments_fail_with_the_field_named():

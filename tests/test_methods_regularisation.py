@@ -55,6 +55,24 @@ def make(name: str, n_tasks: int = 3, **args):
     return method
 
 
+def answer_nll_by_hand(model, row: dict[str, list[int]]) -> torch.Tensor:
+    """−log p(answer + EOS | prompt) of one unpadded row: the sum over its answer tokens."""
+    ids = torch.tensor([row["input_ids"]])
+    logp = model(input_ids=ids).logits[0].float().log_softmax(-1)  # (T, V)
+    return -sum(logp[k - 1, tok] for k, (tok, lab) in enumerate(zip(row["input_ids"], row["labels"]))
+                if lab != IGNORE)
+
+
+def squared_grads(model, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    named = list(model.named_parameters())
+    return {n: g.square() for (n, _), g in zip(named, torch.autograd.grad(loss, [p for _, p in named]))}
+
+
+def assert_near(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal up to fp32 rounding: 1e-4 relative, entries near 0 against the tensor's scale."""
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-6 * float(expected.abs().max()))
+
+
 def batch_of(method, t) -> dict[str, torch.Tensor]:
     enc = Encoder.from_config(method.ctx.tokenizer, method.ctx.config.train)
     return collate([enc.train_example(e.prompt, e.answer) for e in t.train],
@@ -134,9 +152,8 @@ def test_ewc_fisher_is_per_example_nonnegative_and_accumulates():
     enc = Encoder.from_config(m.ctx.tokenizer, m.ctx.config.train)
     by_hand = {n: torch.zeros_like(p) for n, p in params.items()}
     for e in TASK_A.train:
-        one = collate([enc.train_example(e.prompt, e.answer)], m.ctx.tokenizer.pad_token_id)
-        for (n, _), g in zip(params.items(), torch.autograd.grad(lm_loss(m.model, one), list(params.values()))):
-            by_hand[n] += g.square() / 2
+        for n, g2 in squared_grads(m.model, answer_nll_by_hand(m.model, enc.train_example(e.prompt, e.answer))).items():
+            by_hand[n] += g2 / 2
     m.after_task(stage0)
     f0 = {n: f.clone() for n, f in m.fisher.items()}
     assert f0.keys() == params.keys()
@@ -159,6 +176,34 @@ def test_ewc_fisher_is_per_example_nonnegative_and_accumulates():
     before = {n: f.clone() for n, f in m.fisher.items()}
     m.after_task(last)  # nothing left to protect: F stays
     assert all(torch.equal(before[n], m.fisher[n]) for n in params)
+
+
+def test_ewc_fisher_is_the_squared_gradient_of_the_answers_log_likelihood():
+    """F_new of one example = (∂/∂θ Σ_k −log p(y_k))², summed over its L answer tokens:
+    L² times the square of the per-token mean's gradient (the old F, whose weight on an
+    example shrank as 1/L²); a Fisher batch takes the mean of its examples' sums."""
+    m = make("ewc")
+    enc = Encoder.from_config(m.ctx.tokenizer, m.ctx.config.train)
+    prompt = "Question:\n3 plus 4?\nAnswer:"
+    short, long = (task((prompt, answer)) for answer in ("7", "7" * 7))
+    rows = [enc.train_example(prompt, t.train[0].answer) for t in (short, long)]
+    lengths = [sum(lab != IGNORE for lab in r["labels"]) for r in rows]
+    assert lengths == [2, 8]  # byte tokens + EOS
+    for t, row, L in zip((short, long), rows, lengths):
+        fisher = m.fisher_of(Stage(0, [t], "t"))
+        by_hand = squared_grads(m.model, answer_nll_by_hand(m.model, row))
+        mean = squared_grads(m.model, lm_loss(m.model, collate([row], m.ctx.tokenizer.pad_token_id)))
+        assert fisher.keys() == by_hand.keys()
+        for n in by_hand:
+            assert_near(fisher[n], by_hand[n])
+            assert_near(fisher[n], L ** 2 * mean[n])
+    # Both in one Fisher batch (right padding): (∂ (ℓ_short + ℓ_long)/2)².
+    m.args.fisher_batch_size = 2
+    both = task((prompt, "7"), (prompt, "7" * 7))
+    fisher = m.fisher_of(Stage(0, [both], "t"))
+    half = (answer_nll_by_hand(m.model, rows[0]) + answer_nll_by_hand(m.model, rows[1])) / 2
+    for n, g2 in squared_grads(m.model, half).items():
+        assert_near(fisher[n], g2)
 
 
 def test_ewc_runs_and_resumes_to_the_same_matrix(trace_dir, tmp_path, monkeypatch):

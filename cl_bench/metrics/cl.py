@@ -50,8 +50,15 @@ def stage_acc(R) -> float | None:
     """Stage Acc = mean_b ( mean_{j<=b, R[b][j] present} R[b][j] ), over rows
     with at least one such entry: the A-bar of the upcycling paper (average
     accuracy over all stages, each stage over the tasks seen so far).
+
+    Row b is the stage that trained task b, so Stage Acc needs one row per task:
+    a plan with fewer stages than tasks (the multitask reference, which trains
+    every task in one stage) has no Stage Acc and gets None, not the R[0][0]
+    that reading row 0 as "after task 0" would give.
     """
     rows = _rows(R)
+    if len(rows) != _n_tasks(rows):
+        return None
     stage_means = []
     for b, row in enumerate(rows):
         seen = [v for v in row[: b + 1] if v is not None]
@@ -118,14 +125,33 @@ def forgetting(R) -> float | None:
     return fmean(drops) if drops else None
 
 
+def learn_gain(R, zero_shot: Sequence[float | None] | None) -> float | None:
+    """Learning gain = 1/T * sum_j (R[j][j] - R0[j]): how far training on each task
+    lifted it above the model's zero-shot score R0 (plasticity; the "learned"
+    beside which forgetting means something). None without the zero-shot row or
+    a needed diagonal entry."""
+    if zero_shot is None:
+        return None
+    rows = _rows(R)
+    t = _n_tasks(rows)
+    r0 = _rows([zero_shot])[0]
+    if t < 1 or len(rows) != t or len(r0) < t:
+        return None
+    pairs = [(rows[j][j], r0[j]) for j in range(t)]
+    if any(a is None or b is None for a, b in pairs):
+        return None
+    return sum(a - b for a, b in pairs) / t
+
+
 def summarise(R, zero_shot: Sequence[float | None] | None = None) -> dict[str, float | None]:
-    """All summaries of R: last_acc, stage_acc, bwt, fwt, forgetting."""
+    """All summaries of R: last_acc, stage_acc, bwt, fwt, forgetting, learn_gain."""
     return {
         "last_acc": last_acc(R),
         "stage_acc": stage_acc(R),
         "bwt": bwt(R),
         "fwt": fwt(R, zero_shot),
         "forgetting": forgetting(R),
+        "learn_gain": learn_gain(R, zero_shot),
     }
 
 
