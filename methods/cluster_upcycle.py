@@ -38,6 +38,24 @@ Per task t (t = 0 included), in every decoder layer, before the task trains:
    to the mean existing bias (the seed's per-task expansion), so row e always
    scores the expert fitted on cluster e (add_group keeps rows and experts
    aligned; the rows are written after add_group returns).
+4b. Drift guard (the seed, §4: "raise tau if it is more than about 3% worse"). With
+   L_ref the answer-token LM loss on the calibration examples of the model with
+   the new group as the dense slices themselves (the same centroid rows; at
+   t = 0 with shared=swap this is the dense model, to float rounding) and L_init
+   the loss with the fitted experts,
+       drift = (L_init - L_ref) / L_ref,
+   if |drift| > max_drift the experts are refitted (same clusters, same rows)
+   down a ladder until it is within: tau' = 1 - (1 - tau) / 10, then
+   1 - (1 - tau) / 100, then 1, then 1 without the rank cap, and last the dense
+   slices (L_init = L_ref: drift 0). Either sign counts (the seed says "worse"):
+   the swap layer is meant to start as the model before the group, and a lower
+   loss on this task's prompts is no promise about the earlier tasks'. The reference is the slice init, not
+   the model before the task, because at t >= 1 routing tokens to a new group
+   moves the loss whatever its experts are (Standard upcycling's new group does
+   too); tau and the cap only set the experts' approximation error, which is
+   what the guard bounds. lm_rel_change (against the model before) is recorded
+   beside it. Cost: one calibration forward for L_ref, and one SVD fit and
+   forward per rung tried (at most 6).
 5. Training: L = L_task + L_lb + w * L_EESD, trainable = the new group and its
    router rows (old groups frozen, as Standard upcycling: methods/upcycle.py),
        L_EESD = T^2 * mean over answer tokens of KL(p_teacher || p_student),
@@ -61,7 +79,8 @@ calibration from the task's prompts. Not public, *chosen* (the seed marks them
 0.999 per step, EESD = KL(teacher || student) on answer tokens, T = 1,
 weight 1.0. Chosen here: calib_examples 256 (the seed's 256 sequences),
 calib_tokens 8192 (CPU scale; the seed suggests 256 x 512 tokens, 64k for
-k-means: raise it on a GPU), min_cluster_tokens 16, rank cap (below).
+k-means: raise it on a GPU), min_cluster_tokens 16, rank cap (below); the
+guard's max_drift 0.03 (the seed's ~3%; null turns it off) and its ladder.
 
 Adaptation choices and where this differs from the paper:
 - Expert shape. The paper's experts are full-FFN low-rank approximations (the
@@ -91,8 +110,11 @@ Adaptation choices and where this differs from the paper:
   threshold; the random tiny model's loss is insensitive, so the layer outputs
   are tested too) and each layer's output is 5-8% from the dense MLP's (bound
   tested: 15%); with add, ~30%. With tau = 1 and no cap, swap starts exactly as
-  the dense model (tested). Not yet measured on SmolLM2: check lm_rel_change in
-  run.json and raise tau (or rank_cap=0) if it exceeds the seed's ~3%.
+  the dense model (tested). On SmolLM2 (the cpu profile's committed run, before
+  the guard existed) tau 0.99 moved the loss by +1.6, +5.3, -0.6, +11.4, -5.1
+  and -8.6% over the six stages (stage 3: 2.3k calibration tokens, the task's
+  64 examples, against the seed's 64k; 149 of its 720 matrices kept rank <= 4):
+  the drift guard (4b) now raises tau where that exceeds max_drift.
 - Continual form (the seed's "per-task expansion" option): a new group of K
   CAU experts per task, calibrated on that task's prompts; old groups frozen.
   The model stays dense until task 0 starts (zero-shot rows are the dense model).
@@ -109,9 +131,13 @@ Adaptation choices and where this differs from the paper:
   from the centroids.
 
 Records. Per step (metrics.jsonl): lm, lb, eesd. Per stage (run.json "params",
-key "cluster_init"): calibration size, the rank cap, answer-token LM loss on the
-calibration examples before the new group, right after it (lm_rel_change: the
-init drift) and at the end of the task; per layer: cluster sizes, k-means mean
+key "cluster_init"): calibration size, the tau and rank cap used (after the
+guard), answer-token LM loss on the calibration examples before the new group
+(lm_before), with it as dense slices (lm_reference), right after it
+(lm_after; lm_rel_change against lm_before; drift against lm_reference: what the
+guard bounds) and at the end of the task; drift_guard {max_drift, acted,
+initial_drift, slices (the last rung was used), tries: [{tau, rank_cap, slices,
+lm, drift}] in order}; per layer (the experts finally used): cluster sizes, k-means mean
 cosine, the rank and kept energy of each expert's gate/up/down, copied experts,
 Cholesky fallbacks, each expert's relative distance to its slice, the largest
 cosine between two centroids, router row scale, and routing on the calibration
@@ -123,6 +149,8 @@ which "deployed" does not.
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -140,6 +168,8 @@ from cl_bench.models.moe import (UpcycledMoE, decoder_layers, load_balancing_los
                                  slice_experts)
 from cl_bench.registry import register_method
 
+log = logging.getLogger(__name__)
+
 # Letters: B batch, T sequence, N tokens, d width, H FFN width, K experts per group,
 # h = H / K, E experts in a layer, V vocabulary.
 
@@ -155,6 +185,7 @@ class ClusterUpcycleArgs(UpcycleArgs):
     kmeans_restarts: int = 3
     calib_examples: int = 256  # training examples of the current task (the seed's 256)
     calib_tokens: int = 8192  # prompt tokens per layer (chosen, CPU scale; seed: 256 x 512)
+    max_drift: float | None = 0.03  # drift guard: largest |relative loss drift| at init (seed: ~3%); None: off
     # expert-ensemble self-distillation (module docstring, 5)
     eesd_weight: float = 1.0  # chosen; 0 turns EESD (and the EMA teacher) off
     eesd_temperature: float = 1.0  # chosen
@@ -174,6 +205,8 @@ class ClusterUpcycleArgs(UpcycleArgs):
         for name in ("ridge", "min_cluster_tokens", "eesd_weight"):
             if getattr(self, name) < 0:
                 raise UserError(f"method_args.{name}={getattr(self, name)} must be >= 0")
+        if self.max_drift is not None and self.max_drift <= 0:
+            raise UserError(f"method_args.max_drift={self.max_drift} must be > 0 (or null: no guard)")
         if self.eesd_temperature <= 0:
             raise UserError(f"method_args.eesd_temperature={self.eesd_temperature} must be > 0")
         if not 0 <= self.ema_decay < 1:
@@ -213,6 +246,21 @@ def cluster_experts(dense: nn.Module, x: torch.Tensor, assign: torch.Tensor, n_e
             info[name] = i
         infos.append(info)
     return gate, up, down, infos
+
+
+def drift_ladder(tau: float, cap: int | None) -> list[tuple[float, int | None, bool]]:
+    """The initialisations the drift guard tries, in order, as (tau, rank cap, copy
+    the dense slices): tau as given; 1 - (1 - tau) / 10 and 1 - (1 - tau) / 100;
+    1 (the cap kept); 1 without the cap; the dense slices themselves (the guard's
+    reference, so its drift is 0). A rung equal to the one before is skipped."""
+    rungs = [(tau, cap, False)]
+    for t in (1 - (1 - tau) / 10, 1 - (1 - tau) / 100, 1.0):
+        if t > rungs[-1][0]:
+            rungs.append((t, cap, False))
+    if cap is not None:
+        rungs.append((1.0, None, False))
+    rungs.append((1.0, None, True))
+    return rungs
 
 
 def eesd_loss(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor,
@@ -407,7 +455,9 @@ class ClusterUpcycle(Upcycle):
         return total / n if n else float("nan")
 
     def _add_cluster_group(self, stage: Stage) -> None:
-        """Module docstring, 1-4: calibrate, cluster, fit, add; and record."""
+        """Module docstring, 1-4 and the drift guard: calibrate, cluster, add the group
+        (the dense slices with the centroid rows: the guard's reference), fit its
+        experts, raising tau until the drift is within max_drift; and record."""
         a = self.args
         rows = self.calibration_rows(stage)
         captured: dict[int, list[torch.Tensor]] = {}
@@ -415,7 +465,7 @@ class ClusterUpcycle(Upcycle):
         seed = self.ctx.config.seed
         layers = self._layers()
         K = a.experts_per_task
-        per_layer, holders = [], {}
+        fits = []  # per layer: (x (N, d), its k-means, router row scale)
         for i, layer in enumerate(layers):
             x = torch.cat(captured.pop(i))[:a.calib_tokens]  # (N, d)
             if x.shape[0] < K:
@@ -424,32 +474,67 @@ class ClusterUpcycle(Upcycle):
             generator = torch.Generator().manual_seed(
                 random.Random(f"{seed}/cluster-upcycle/{stage.index}/{i}").getrandbits(63))
             km = spherical_kmeans(x, K, a.kmeans_iters, a.kmeans_restarts, generator)
-            cap = self.rank_cap(layer)
-            gate, up, down, infos = cluster_experts(layer.dense, x, km.assign, K, a.tau, cap, a.ridge,
-                                                    a.min_cluster_tokens)
-            first = layer.n_experts
             if layer.groups:
                 scale = layer.router_weight().detach().norm(dim=1).mean()
                 bias = layer.router_bias().detach().mean()
             else:
                 scale, bias = torch.ones(()), torch.zeros(())
-            layer.add_group(lambda dense, n, w=(gate, up, down): w, router_std=0.0)
+            layer.add_group(slice_experts, router_std=0.0)  # experts fitted below
             group = layer.groups[-1]
             with torch.no_grad():
                 group.router_weight.copy_(km.centroids.to(group.router_weight) * scale)
                 group.router_bias.fill_(float(bias))
-            holders[i] = _RoutingStats(first, K, km.centroids)
-            per_layer.append(self._layer_record(i, x.shape[0], km, infos, gate, up, down,
-                                                slice_experts(layer.dense, K), float(scale)))
-        lm_after = self._forward_rows(rows, lambda i, m, x, y: holders[i].add(m, x, y))
+            fits.append((x, km, float(scale)))
+        lm_reference = self._forward_rows(rows)  # the group as dense slices
+        cap = self.rank_cap(layers[0])  # every layer has the same h and d
+        rungs = drift_ladder(a.tau, cap) if a.max_drift is not None else [(a.tau, cap, False)]
+        tries = []
+        for tau, cap, use_slices in rungs:
+            per_layer, holders = self._fit_group(layers, fits, tau, cap, use_slices)
+            lm_after = self._forward_rows(rows, lambda i, m, x, y: holders[i].add(m, x, y))
+            drift = (lm_after - lm_reference) / lm_reference
+            tries.append({"tau": _r(tau), "rank_cap": cap, "slices": use_slices, "lm": _r(lm_after),
+                          "drift": _r(drift)})
+            if a.max_drift is None or not math.isfinite(drift) or abs(drift) <= a.max_drift:
+                break
+        acted = len(tries) > 1
+        if acted:
+            log.info("cluster-upcycle: stage %d: init drift %.4f above max_drift %.4f at tau %s; "
+                     "%.4f at tau %s, rank cap %s%s", stage.index, tries[0]["drift"], a.max_drift,
+                     tries[0]["tau"], drift, tries[-1]["tau"], cap, " (dense slices)" if use_slices else "")
         for rec in per_layer:
             rec["init_routing"] = holders[rec["layer"]].report()
         self._probe = {"rows": rows, "centroids": {i: h.centroids for i, h in holders.items()},
                        "first": {i: h.first for i, h in holders.items()}}
-        self._record = {"calib_examples": len(rows), "rank_cap": self.rank_cap(layers[0]),
-                        "lm_before": _r(lm_before), "lm_after": _r(lm_after),
+        self._record = {"calib_examples": len(rows), "tau": _r(tau), "rank_cap": cap,
+                        "lm_before": _r(lm_before), "lm_reference": _r(lm_reference),
+                        "lm_after": _r(lm_after),
                         "lm_rel_change": _r((lm_after - lm_before) / lm_before),
+                        "drift": _r(drift),
+                        "drift_guard": {"max_drift": a.max_drift, "acted": acted,
+                                        "initial_drift": tries[0]["drift"], "slices": use_slices, "tries": tries},
                         "layers": per_layer}
+
+    def _fit_group(self, layers: list[UpcycledMoE], fits: list, tau: float, cap: int | None,
+                   use_slices: bool) -> tuple[list[dict[str, Any]], dict[int, _RoutingStats]]:
+        """Write the experts of each layer's newest group: the whitened truncated SVD
+        of each dense slice on its cluster at (tau, cap), or the dense slices themselves.
+        Returns the per-layer records and fresh routing-stat holders."""
+        a, K = self.args, self.args.experts_per_task
+        per_layer, holders = [], {}
+        for i, (layer, (x, km, scale)) in enumerate(zip(layers, fits)):
+            min_tokens = x.shape[0] + 1 if use_slices else a.min_cluster_tokens  # every cluster "too small"
+            gate, up, down, infos = cluster_experts(layer.dense, x, km.assign, K, tau, cap, a.ridge,
+                                                    min_tokens)
+            group = layer.groups[-1]
+            with torch.no_grad():
+                group.gate.copy_(gate)
+                group.up.copy_(up)
+                group.down.copy_(down)
+            holders[i] = _RoutingStats(layer.n_experts - K, K, km.centroids)
+            per_layer.append(self._layer_record(i, x.shape[0], km, infos, gate, up, down,
+                                                slice_experts(layer.dense, K), scale))
+        return per_layer, holders
 
     @staticmethod
     def _layer_record(i, n_tokens, km, infos, gate, up, down, slices, scale) -> dict[str, Any]:

@@ -45,10 +45,11 @@ prompt in both, as seed-methods.md §3 asks.
     C^t = (a_{t-1} C^{t-1} + n_t Chat^t) / a_t,   a_t = a_{t-1} + n_t
 (i.e. the sum of x x^T over all tokens seen so far over their count), from the
 training forwards' tokens with attention_mask 1 except each sequence's first
-(position 0, the attention sink: seed-methods.md §3). Every `refresh_every`
-optimiser steps of a task (from step 0) the top eigenpairs (lambda_i, v_i) of
-the running C are recomputed (torch.linalg.eigh; for inputs wider than 4096, a
-randomized top-(max_rank + 16) decomposition, torch.svd_lowrank); k = the
+(position 0, the attention sink: seed-methods.md §3). Every R optimiser steps
+of a task (from step 0; R from the task's length, "Schedule" below) the top
+eigenpairs (lambda_i, v_i) of the running C are recomputed (torch.linalg.eigh;
+for inputs wider than 4096, a randomized top-(max_rank + 16) decomposition,
+torch.svd_lowrank); k = the
 smallest count whose eigenvalues hold >= delta of tr C, capped at max_rank;
 V_par = v_1..v_k. Each router gradient G (E x d_in) becomes
     G <- G V_par diag(g) V_par^T + G V_perp V_perp^T = G - (G V_par) diag(1 - g) V_par^T,
@@ -80,16 +81,26 @@ of the batch-mean routing probability p_i (before masking), reset each task.
 F_i: EMA(0.95) of w_i ||x||^2 (the weight the expert actually had, times the
 input energy, mean over the statistics tokens), carried across tasks. Score =
 minmax(U) - minmax(F_ref) (minmax over the E experts; a constant vector maps to
-0). From step `freeze_warmup` of a task on, after every step, experts with Score
-< tau_score are frozen for the next step (weight 0, renormalised, no compute, no
-gradient; AdamW skips them, since their gradient is None), except the task's
+0). From step W of a task on (the warm-up, "Schedule" below), after every
+step, experts with Score < tau_score are frozen for the next step (weight 0,
+renormalised, no compute, no gradient; AdamW skips them, since their gradient is None), except the task's
 own expert t, never frozen. Once every other expert of a linear is frozen, that
 linear's masks stay fixed for the rest of the task ("locked"). Masks apply to
 training forwards only; inference uses every expert.
 `importance`: "previous" (default, the paper's semantics as seed-methods.md §4
-recommends) takes F_ref = F as it was at the end of the previous task (0 at
-task 0, where the score reduces to minmax(U)); "live" is the code's: F also
-moves with the current task's data and is used as it moves. With live F,
+recommends: F of earlier tasks, fixed during the task) takes F_ref as the
+element-wise running max of F over the ends of all earlier tasks,
+    F_ref^0 = 0,   F_ref^{t+1} = max(F_ref^t, F at the end of task t)
+(0 at task 0, where the score reduces to minmax(U)). The max, not F at the end
+of task t alone: a frozen expert has w_i = 0, so its F decays by 0.95 a step
+during the task it is protected in (to 0.95^n), and with F_ref = F_end(t) an
+expert important in task t-1 would be unprotected in task t (tested). Nor a
+sum or mean over tasks: minmax is scale-free, so a sum is a mean, which dilutes
+an expert important to one early task by 1/t; the max keeps the paper's
+criterion, "important to some earlier task" (chosen: seed-methods.md gives no
+rule across tasks beyond "F frozen from previous tasks"). "live" is the code's:
+F also moves with the current task's data and is used as it moves (and decays
+for frozen experts, as in the code). With live F,
 ||x||^2 uncorrelated with routing makes F ~ U, Score ~ 0 and every other
 expert frozen at the first mask update: a single survivor, constant weight 1,
 and no router gradient for the rest of the task. This is detected and
@@ -98,10 +109,26 @@ the non-current expert with the lowest U, and the one with the highest F_ref,
 always score <= 0, so with E = 3 (the smoke profile) a linear often locks at
 its first update whatever the semantics.
 
+Schedule (fitted to the task's length, as bilevel-cka fits its temperature).
+The paper's values, warm-up 50 and a refresh every 20 steps, exceed the 8-32
+optimiser steps of a cpu-profile task (the committed run never froze an expert).
+From the task's step count n (Method.stage_steps, computed in before_task),
+    W = min(freeze_warmup, floor(warmup_share * n)),
+    R = max(1, min(refresh_every, n // min_refreshes))   (R = refresh_every if min_refreshes = 0),
+so the paper's values stay the upper bounds and hold as given once a task is
+long enough (n >= 200 and n >= 80 with the defaults; the paper profile on
+TRACE's 5000-row release runs >= 785 steps a task), while a short task masks
+for its last 75% of steps and gets at least 4 refreshes (n = 8: W = 2, R = 2;
+n = 32: W = 8, R = 8). Without a run (n unknown) the arguments are used as given. Both are recorded per task.
+warmup_share 0.25 and min_refreshes 4 are chosen (the code's 50 / 20 fit a task
+of one epoch over TRACE's 5000 examples: 50 is 16-32% of it at batch 16-32;
+4 as bilevel-cka's min_mask_updates).
+
 Records. Per step (metrics.jsonl): lm, frozen (the share of the non-current
 experts frozen in this step, over all linears). Per stage (run.json "params"):
-n_experts; router_rank {x, h: k per layer at the task's last refresh},
-router_rank_min (the smallest k over the task's refreshes), curvature_rank
+n_experts; activation_schedule {steps: n, freeze_warmup: W, refresh_every: R,
+refreshes: how many ran}; router_rank {x, h: k per layer at the task's last
+refresh}, router_rank_min (the smallest k over the task's refreshes), curvature_rank
 (k of C^{t-1} per layer, None at task 0), spectrum {x, h: [lambda_1, lambda_k,
 tr C] per layer of C^t at the task's end: mu is the crossover of P, so compare
 it with these}; freeze_masks {gate, up, down: per layer, 1 = frozen at the
@@ -115,9 +142,10 @@ layer}. A warning is logged when every linear locks.
 
 Defaults and sources. The code (config/methods/same.py): r_e 8, alpha / r 2,
 dropout 0.05, gate/up/down, AdamW 2e-4, delta 0.9, mu 0.9, rho 0.2, tau_score
-0.1, EMA 0.95, refresh every 20 steps, top-2 at inference (infer_top_k=2 gives
-it). seed-methods.md §3: max_rank 64 (d = 576; 128 for d = 2048),
-freeze_warmup 50, statistics without padding and position 0. Chosen here (no
+0.1, EMA 0.95, refresh every 20 steps (an upper bound here: "Schedule"), top-2
+at inference (infer_top_k=2 gives it). seed-methods.md §3: max_rank 64 (d = 576;
+128 for d = 2048), freeze_warmup 50 (an upper bound), statistics without padding
+and position 0. Chosen here (no
 published value): router init nn.Linear's default (Kaiming-uniform, a = sqrt 5;
 the code's router is a bias-free nn.Linear); the constant lr, AdamW betas
 (0.9, 0.95) and weight decay 0 of the harness (the code: cosine schedule with
@@ -137,8 +165,9 @@ Where cl-bench differs from the code, and why (seed-methods.md §1, §4):
 - the router projection runs from step 0 (the code: from step 10) and uses
   the running covariance, this task's tokens so far included (the paper's C^t;
   the curvature map uses C^{t-1});
-- F is frozen from the previous task by default (importance=previous);
-  masking waits freeze_warmup steps (the code: none);
+- F is frozen from the previous tasks by default (importance=previous), as
+  their running max; masking waits W steps (the code: none);
+- the warm-up and the refresh interval shrink with a short task ("Schedule");
 - no iter_pred (the paper's short-sequence evaluation trick).
 
 Implementation: `SAMELinear`, a wrapper around each nn.Linear, not peft. peft
@@ -152,7 +181,8 @@ input (SmolLM2-135M: about 0.3 GB in all; Llama-3.2-1B: 4.6 GB, on the GPU),
 kept in the method's checkpoint state. Cost: one x x^T product per linear input
 and micro-batch, and one eigendecomposition per covariance at every refresh and
 task end (SmolLM2's 1536-wide h: about 0.7 s on one CPU thread, so ~25 s per
-refresh over its 30 layers; the cpu profile's 8-step tasks refresh once).
+refresh over its 30 layers; a cpu-profile task refreshes min_refreshes = 4
+times, about 100 s).
 
 Ablations: spectral_routing, curvature_scaling, adaptive_activation = false
 turn a mechanism off; with all three off the method is a plain per-sequence
@@ -202,7 +232,8 @@ class SAMEArgs(MethodArgs):
     delta: float = 0.9  # energy of C kept in V_par (also for the curvature map)
     max_rank: int = 64  # cap on k (seed-methods.md: 64 at d = 576, 128 at d = 2048)
     rho: float = 0.2  # largest shrink of a router update in V_par
-    refresh_every: int = 20  # optimiser steps between eigendecompositions
+    refresh_every: int = 20  # steps between eigendecompositions (an upper bound: min_refreshes)
+    min_refreshes: int = 4  # refreshes a task gets at least (lowers refresh_every); 0: as given
     # 2. curvature-aware scaling
     curvature_scaling: bool = True
     mu: float = 0.9  # damping of P
@@ -211,7 +242,8 @@ class SAMEArgs(MethodArgs):
     adaptive_activation: bool = True
     ema: float = 0.95  # decay of U and F
     tau_score: float = 0.1  # freeze experts with Score below this
-    freeze_warmup: int = 50  # steps of a task before any freezing (the code: 0)
+    freeze_warmup: int = 50  # steps of a task before any freezing (the code: 0; an upper bound)
+    warmup_share: float = 0.25  # warm-up = min(freeze_warmup, floor(warmup_share * the task's steps))
     importance: str = "previous"  # previous: F of earlier tasks (paper); live: F moves now (code)
 
     def __post_init__(self):
@@ -230,14 +262,28 @@ class SAMEArgs(MethodArgs):
             raise UserError(f"method_args.mu={self.mu} must be > 0 (P divides by it)")
         if not 0 <= self.ema < 1:
             raise UserError(f"method_args.ema={self.ema} must be in [0, 1)")
-        if self.freeze_warmup < 0 or not 0 <= self.dropout < 1:
-            raise UserError("method_args: freeze_warmup must be >= 0 and dropout in [0, 1)")
+        if self.freeze_warmup < 0 or self.min_refreshes < 0 or not 0 <= self.dropout < 1:
+            raise UserError("method_args: freeze_warmup and min_refreshes must be >= 0 and dropout in [0, 1)")
+        if not 0 <= self.warmup_share <= 1:
+            raise UserError(f"method_args.warmup_share={self.warmup_share} must be in [0, 1]")
         if self.precondition not in PRECONDITION:
             raise UserError(f"method_args.precondition={self.precondition!r}: choose one of "
                             f"{', '.join(PRECONDITION)}")
         if self.importance not in IMPORTANCE:
             raise UserError(f"method_args.importance={self.importance!r}: choose one of "
                             f"{', '.join(IMPORTANCE)}")
+
+
+def activation_schedule(n_steps: int | None, args: SAMEArgs) -> tuple[int, int]:
+    """(freeze warm-up, refresh interval) for a task of `n_steps` optimiser steps
+    (None: unknown, the arguments as given); see the module docstring, "Schedule"."""
+    if n_steps is None:
+        return args.freeze_warmup, args.refresh_every
+    warmup = min(args.freeze_warmup, math.floor(args.warmup_share * n_steps))
+    every = args.refresh_every
+    if args.min_refreshes:
+        every = max(1, min(every, n_steps // args.min_refreshes))
+    return warmup, every
 
 
 # ---- the routed LoRA mixture ----------------------------------------------------------
@@ -381,6 +427,9 @@ class _Task:
     curvature: list[dict[str, Subspace | None]]  # per layer, C^{t-1}'s subspaces (x, h); [] at task 0
     bases: list[dict[str, Subspace | None]]  # per layer, the router subspaces of the last refresh
     ranks: list[dict[str, list[int]]]  # per layer, k at each refresh
+    n_steps: int | None = None  # the task's optimiser steps (Method.stage_steps; None: unknown)
+    warmup: int = 0  # freeze warm-up used (activation_schedule)
+    refresh_every: int = 1  # refresh interval used (activation_schedule)
     steps: int = 0
     grad_norms: list[float] = dataclasses.field(default_factory=list)  # per step, all routers
     layer_norms: dict[str, torch.Tensor] | None = None  # proj -> (L,) sum over steps
@@ -474,8 +523,12 @@ class SAME(Method):
             lin.frozen.zero_()
             lin.usage.zero_()
             lin.acc.zero_()
-            lin.importance_ref.copy_(lin.importance)
+            if self.args.importance == "live":
+                lin.importance_ref.copy_(lin.importance)
+            # previous: importance_ref holds max over the earlier tasks' F (after_task)
         n_layers, device = len(self.linears), self._device()
+        n_steps = self.stage_steps(stage)
+        warmup, every = activation_schedule(n_steps, self.args)
         curvature = self._previous if (t > 0 and self.args.curvature_scaling) else []
         self._task = _Task(
             t, [{k: (s.to(device) if s is not None else None) for k, s in c.items()} for c in curvature],
@@ -483,7 +536,8 @@ class SAME(Method):
             ranks=[{"x": [], "h": []} for _ in range(n_layers)],
             layer_norms={p: torch.zeros(n_layers) for p in TARGETS},
             frozen_steps={p: torch.zeros(n_layers, self.n_experts) for p in TARGETS},
-            locked_at={p: [None] * n_layers for p in TARGETS})
+            locked_at={p: [None] * n_layers for p in TARGETS},
+            n_steps=n_steps, warmup=warmup, refresh_every=every)
         self._record = None
 
     # ---- training ------------------------------------------------------------------------
@@ -503,7 +557,7 @@ class SAME(Method):
 
     def before_step(self, step: int) -> None:
         task, a = self._task, self.args
-        if a.spectral_routing and step % a.refresh_every == 0:
+        if a.spectral_routing and step % task.refresh_every == 0:
             for l, covs in enumerate(self.covs):
                 for key, cov in covs.items():
                     sub = cov.subspace(a.delta, a.max_rank)
@@ -551,7 +605,7 @@ class SAME(Method):
             task.before = None
         for l, name, lin in self._wrappers():
             lin.end_step(a.ema, a.importance == "live")
-            if a.adaptive_activation and step + 1 >= a.freeze_warmup and task.locked_at[name][l] is None:
+            if a.adaptive_activation and step + 1 >= task.warmup and task.locked_at[name][l] is None:
                 self._update_masks(lin, task.index)
                 others = [i for i in range(self.n_experts) if i != task.index]
                 if others and bool(lin.frozen[others].all()):
@@ -573,6 +627,8 @@ class SAME(Method):
                         "the routers had no gradient from then on", stage.index, self._record["all_frozen_step"])
         for _, _, lin in self._wrappers():
             lin.frozen.zero_()  # inference and the next task start unmasked
+            if a.importance == "previous":  # F_ref^{t+1} = max(F_ref^t, F at the end of task t)
+                torch.maximum(lin.importance_ref, lin.importance, out=lin.importance_ref)
         self._task = None
 
     def _stage_record(self, task: _Task) -> dict[str, Any]:
@@ -586,6 +642,9 @@ class SAME(Method):
         norms = task.grad_norms
         return {
             "n_experts": self.n_experts,
+            "activation_schedule": {"steps": task.n_steps, "freeze_warmup": task.warmup,
+                                    "refresh_every": task.refresh_every,
+                                    "refreshes": len(task.ranks[0]["x"]) if task.ranks else 0},
             "router_rank": per_layer(lambda sub, ranks: ranks[-1] if ranks else None),
             "router_rank_min": per_layer(lambda sub, ranks: min(ranks) if ranks else None),
             "curvature_rank": ({key: [c[key].k if c[key] is not None else 0 for c in task.curvature]
@@ -618,6 +677,8 @@ class SAME(Method):
             "previous": [{k: None if s is None else dataclasses.asdict(s) for k, s in prev.items()}
                          for prev in self._previous],
             "importance": [{p: lin.importance.clone() for p, lin in layer.items()} for layer in self.linears],
+            "importance_ref": [{p: lin.importance_ref.clone() for p, lin in layer.items()}
+                               for layer in self.linears],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -632,9 +693,11 @@ class SAME(Method):
                     cov.sum = cov.sum.to(device)
         self._previous = [{k: None if s is None else Subspace(**s).to(device) for k, s in prev.items()}
                           for prev in state["previous"]]
-        for layer, saved in zip(self.linears, state["importance"]):
+        refs = state.get("importance_ref", state["importance"])  # older checkpoints: F at the last task end
+        for layer, saved, ref in zip(self.linears, state["importance"], refs):
             for p, lin in layer.items():
                 lin.importance.copy_(saved[p])
+                lin.importance_ref.copy_(ref[p])
 
     def param_report(self) -> dict[str, Any]:
         params = list(self.model.parameters())

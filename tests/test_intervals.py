@@ -2,7 +2,6 @@
 paired comparison of runs (cl_bench/compare.py, `cl-bench compare`)."""
 from __future__ import annotations
 
-import copy
 import json
 
 import numpy as np

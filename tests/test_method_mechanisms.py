@@ -10,37 +10,16 @@ Tiny random Llama (2 layers, width 64), hand-sized batches, a few steps each.
 from __future__ import annotations
 
 import re
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cl_bench import registry
-from cl_bench.benchmarks.trace.loader import Example
-from cl_bench.config import RunConfig, TrainConfig
 from cl_bench.data import IGNORE, Encoder, collate
-from cl_bench.method import MethodContext, Stage
-from cl_bench.models.loading import tiny_llama
+from cl_bench.method import Stage
+from helpers import make_method, make_task
 
-# ---- helpers (the pattern of test_methods_lora.py) -----------------------------
-
-
-def make_task(name: str, n: int = 6, offset: int = 0) -> SimpleNamespace:
-    train = [Example(f"Question: {i} plus {i + 1}? Answer:", f"{2 * i + 1} apples", i)
-             for i in range(offset, offset + n)]
-    return SimpleNamespace(name=name, train=train)
-
-
-def make_method(name: str, seed: int = 0, **args):
-    model, tokenizer, _ = tiny_llama(seed)
-    config = RunConfig(model="tiny-llama", seed=seed,
-                       train=TrainConfig(max_prompt_len=96, max_answer_len=16, truncation_head=16))
-    cls = registry.get(name)
-    method = cls(cls.parse_args(args), MethodContext(config, torch.device("cpu"), tokenizer))
-    torch.manual_seed(seed)
-    method.setup(model)
-    return method
+# ---- helpers (make_task, make_method: tests/helpers.py) ------------------------
 
 
 def encode(method, examples) -> dict[str, torch.Tensor]:
@@ -51,7 +30,7 @@ def encode(method, examples) -> dict[str, torch.Tensor]:
 
 def stages(n: int) -> list[Stage]:
     # Different examples per task, so each task's gradients are its own.
-    return [Stage(i, [make_task(f"task{i}", offset=10 * i)], f"task{i}") for i in range(n)]
+    return [Stage(i, [make_task(f"task{i}", n=6, offset=10 * i)], f"task{i}") for i in range(n)]
 
 
 def answer_ce(model, batch) -> torch.Tensor:

@@ -21,7 +21,8 @@ from cl_bench.config import resolve
 from cl_bench.data import Encoder, collate
 from cl_bench.errors import UserError
 from cl_bench.method import MethodContext, Stage
-from cl_bench.methods.cluster_upcycle import (cluster_experts, dense_routing, eesd_loss, slice_rank_cap)
+from cl_bench.methods.cluster_upcycle import (cluster_experts, dense_routing, drift_ladder, eesd_loss,
+                                              slice_rank_cap)
 from cl_bench.models import moe
 from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import schedule_report
@@ -315,6 +316,65 @@ def test_initial_loss_moves_little_with_swap():
             assert la["init_routing"]["out_rel_err"] > 2 * ls["init_routing"]["out_rel_err"]
 
 
+def sensitise(model):
+    """The tiny Llama with a loss that feels its FFNs: final norm x30 (the random
+    model's near-uniform logits otherwise hide any change: drift ~1e-4 whatever
+    tau) and every MLP matrix x3."""
+    with torch.no_grad():
+        model.model.norm.weight.mul_(30.0)
+        for block in moe.decoder_layers(model):
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(block.mlp, name).weight.mul_(3.0)
+
+
+def test_drift_ladder():
+    rungs = drift_ladder(0.99, 12)
+    assert [(round(t, 6), c, s) for t, c, s in rungs] == [
+        (0.99, 12, False), (0.999, 12, False), (0.9999, 12, False), (1.0, 12, False), (1.0, None, False),
+        (1.0, None, True)]
+    assert drift_ladder(1.0, None) == [(1.0, None, False), (1.0, None, True)]
+
+
+def test_drift_guard_raises_tau_until_the_init_drift_is_within_the_bound():
+    """tau 0.5 on a tiny Llama whose loss feels its FFNs moves the loss by -6.2% at
+    task 0 (above max_drift = 3%): the guard refits the experts at tau 0.95 (the
+    next rung; -1.0%) and stops there; the record's drift is the model's as it
+    stands. With the guard off the same init keeps its drift."""
+    def init(t_max=2, **args):
+        method = make(tau=0.5, **args)
+        sensitise(method.model)
+        recs = []
+        for t in range(t_max):
+            start(method, t)
+            recs.append(method.param_report()["cluster_init"])
+            if t == 0:
+                now = method._forward_rows(method._probe["rows"])  # the model as it stands
+            method.after_task(Stage(t, [], "t"))
+        return recs, now
+
+    off, _ = init(t_max=1, max_drift=None)
+    assert abs(off[0]["drift"]) > 0.05  # the case: well above the bound
+    assert not off[0]["drift_guard"]["acted"] and off[0]["tau"] == 0.5 and off[0]["rank_cap"] == 12
+    recs, now = init()
+    rec = recs[0]
+    guard = rec["drift_guard"]
+    assert guard["max_drift"] == 0.03 and guard["acted"]
+    assert guard["initial_drift"] == off[0]["drift"] and guard["tries"][0]["tau"] == 0.5
+    assert all(abs(t["drift"]) > 0.03 for t in guard["tries"][:-1])  # stopped at the first rung within
+    assert abs(rec["drift"]) <= 0.03 and rec["drift"] == guard["tries"][-1]["drift"]
+    assert rec["tau"] == guard["tries"][-1]["tau"] == 0.95 and rec["rank_cap"] == 12 and not guard["slices"]
+    assert rec["lm_reference"] == pytest.approx(rec["lm_before"], rel=1e-5)  # t = 0, swap: slices = dense
+    assert now == pytest.approx(rec["lm_after"], rel=1e-5)
+    assert abs(now - rec["lm_reference"]) / rec["lm_reference"] <= 0.03
+    for layer, low in zip(rec["layers"], off[0]["layers"]):  # the experts recorded are the ones used
+        assert all(e >= 0.95 for e in layer["energy_gate"]) and layer["rank_gate"] != low["rank_gate"]
+    # t = 1: against its own reference, the new group as slices (not the model before:
+    # task 0's fitted group is not its slices), within the bound without the guard acting
+    rec = recs[1]
+    assert abs(rec["drift"]) <= 0.03 and not rec["drift_guard"]["acted"]
+    assert rec["lm_reference"] != rec["lm_before"]
+
+
 # ---- EMA teacher and distillation ----------------------------------------------------------
 
 def test_ema_update_and_what_it_holds_across_tasks():
@@ -466,11 +526,12 @@ def test_params_schedule_counts_groups_and_the_ema_teacher():
 def test_arguments_are_checked():
     cls = registry.get("cluster-upcycle")
     for bad in ({"tau": 0}, {"tau": 1.5}, {"rank_cap": -1}, {"ema_decay": 1.0}, {"eesd_temperature": 0},
-                {"calib_tokens": 0}, {"ridge": -1}):
+                {"calib_tokens": 0}, {"ridge": -1}, {"max_drift": 0}):
         with pytest.raises(UserError):
             cls.parse_args(bad)
     assert cls.parse_args({"rank_cap": "null"}).rank_cap is None
     assert cls.parse_args({"rank_cap": "52"}).rank_cap == 52
+    assert cls.parse_args({"max_drift": "null"}).max_drift is None
 
 
 def test_smoke_run_and_resume(trace_dir, tmp_path, monkeypatch):

@@ -10,37 +10,19 @@ import io
 import json
 import logging
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from cl_bench import registry, results
-from cl_bench.benchmarks.trace.loader import Example
-from cl_bench.config import RunConfig, TrainConfig
+from cl_bench import results
 from cl_bench.data import Encoder, collate
 from cl_bench.errors import UserError
-from cl_bench.method import MethodContext, Stage
+from cl_bench.method import Stage
 from cl_bench.models.loading import tiny_llama
+from helpers import make_method, make_task
 from conftest import interrupted_run, only_run, run_cli, smoke_args
 
 LORA_SIZE = 2 * (8 * (64 + 64) + 8 * (64 + 32))  # 3584
-
-
-def make_task(name: str, n: int = 8) -> SimpleNamespace:
-    train = [Example(f"Question: {i} plus {i + 1}? Answer:", f"{2 * i + 1} apples", i) for i in range(n)]
-    return SimpleNamespace(name=name, train=train)
-
-
-def make_method(name: str, seed: int = 0, **args):
-    model, tokenizer, _ = tiny_llama(seed)
-    config = RunConfig(model="tiny-llama", seed=seed,
-                       train=TrainConfig(max_prompt_len=96, max_answer_len=16, truncation_head=16))
-    cls = registry.get(name)
-    method = cls(cls.parse_args(args), MethodContext(config, torch.device("cpu"), tokenizer))
-    torch.manual_seed(seed)
-    method.setup(model)
-    return method
 
 
 def batch_of(method, task) -> dict[str, torch.Tensor]:
