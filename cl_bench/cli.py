@@ -89,10 +89,14 @@ def cmd_run(args) -> int:
 
     config = None
     if args.resume is None:
-        overrides = _overrides(args)
-        config = cfg.resolve(overrides.pop("profile", "cpu"), args.config, overrides)
-    elif args.backend or args.zero:
-        raise UserError("--resume continues a run with its recorded config; drop --backend/--zero")
+        overrides = _overrides(args)  # its --profile, if given, beats the file's `profile:`
+        config = cfg.resolve("cpu", args.config, overrides)
+    else:
+        given = [f"--{key.replace('_', '-')}" for key in RUN_CONFIG_FLAGS
+                 if getattr(args, key) is not None and getattr(args, key) is not False and getattr(args, key) != []]
+        if given:
+            raise UserError(f"--resume continues a run with its recorded config; drop {', '.join(given)} "
+                            f"(to change them, start a new run)")
     if args.nproc is not None and _must_launch(args, config):
         return _launch(args)  # this process starts the ranks; each runs this command
     run = sequencer.prepare(config, args.resume, progress=not args.no_progress, command=args.command_line)
@@ -100,13 +104,29 @@ def cmd_run(args) -> int:
         record = sequencer.execute(run, keep_checkpoint=args.keep_checkpoint)
     except KeyboardInterrupt:
         if run.backend.is_main:
-            print(f"\ninterrupted; the finished stages are saved. Resume with:\n"
-                  f"  cl-bench run --resume {run.run_dir}", file=sys.stderr)
+            print(f"\n{_interrupted(run)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     if run.backend.is_main:
         print(format_matrix(record, record.get("intervals")))
         print(f"\nrun record: {run.run_dir / 'run.json'}")
     return 0
+
+
+# Flags of `run` that set config fields; --resume keeps the recorded config and refuses them.
+RUN_CONFIG_FLAGS = ("method", "model", "profile", "config", "seed", "data_dir", "order", "n_train", "n_test",
+                    "output_dir", "run_id", "method_arg", "set", "eval_all", "backend", "zero")
+
+
+def _interrupted(run) -> str:
+    """What an interrupt leaves, in one line: resume continues after the last checkpoint,
+    or, with none yet, starts the run again in its folder."""
+    from cl_bench.results import has_checkpoint
+
+    again = f"cl-bench run --resume {run.run_dir}"
+    done, total = run.record.get("stages_done", 0), len(run.stages)
+    if has_checkpoint(run.run_dir):
+        return f"interrupted; {done} of {total} stages are saved; continue with: {again}"
+    return f"interrupted before the first stage was saved; nothing to keep; start it again with: {again}"
 
 
 def _must_launch(args, config) -> bool:
@@ -116,11 +136,13 @@ def _must_launch(args, config) -> bool:
     from cl_bench.backends import check_support
     from cl_bench.config import build
     from cl_bench.results import RUN_FILE, read_record
+    from cl_bench.sequencer import _resumable
 
     if args.nproc < 1:
         raise UserError(f"--nproc {args.nproc}: give at least 1 rank")
     if config is None:
-        config = build(read_record(args.resume)["config"], f"{args.resume / RUN_FILE}: config")
+        record = _resumable(read_record(args.resume), args.resume)
+        config = build(record["config"], f"{args.resume / RUN_FILE}: config")
     if config.backend != "deepspeed":
         raise UserError("--nproc starts ranks of the deepspeed backend; add --backend deepspeed")
     if "RANK" in os.environ:
@@ -238,9 +260,11 @@ def _read_predictions(path: Path, task: str, stage: int | None) -> list[dict]:
     """Lines of {"prompt", "prediction", "answer"}; lines that carry "task"/"stage"
     fields (cl-bench's own predictions.jsonl) are filtered to --task/--stage."""
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise UserError(f"{path}: cannot read predictions ({exc.strerror}); check the path") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text (byte {exc.start}); write the predictions as UTF-8 JSONL") from None
     rows = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -266,13 +290,19 @@ def _read_predictions(path: Path, task: str, stage: int | None) -> list[dict]:
         raise UserError(f"{path}: no predictions for task {task}"
                         + (f" at stage {stage}" if stage is not None else "")
                         + "; check --task and --stage")
+    stages = sorted({r["stage"] for r in rows if isinstance(r.get("stage"), int)})
+    if stage is None and len(stages) > 1:  # pooling stages would score no cell of the matrix
+        raise UserError(f"{path}: task {task} has predictions of stages {', '.join(map(str, stages))}"
+                        + (" (-1: zero-shot)" if -1 in stages else "") + "; pass --stage to score one")
     return rows
 
 
 def cmd_params(args) -> int:
-    from cl_bench.models.params import format_schedule, params_command
+    from cl_bench.models.params import format_schedule, load_decisions, params_command
 
-    rows = params_command(args.model, args.method, args.tasks, dict(args.method_arg))
+    decisions = load_decisions(args.decisions) if args.decisions is not None else None
+    rows = params_command(args.model, args.method, args.tasks, dict(args.method_arg),
+                          decisions=decisions, experts_per_layer=args.experts_per_layer)
     print(json.dumps(rows, indent=2) if args.json else format_schedule(rows))
     return 0
 
@@ -354,6 +384,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", required=True)
     p.add_argument("--tasks", type=int, required=True)
     p.add_argument("--method-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE")
+    grown = p.add_mutually_exclusive_group()
+    grown.add_argument("--decisions", type=Path, metavar="FILE",
+                       help="methods that decide Expand / Recycle (bilevel-cka): count this decision map, "
+                            "JSON [task][layer][slot] of 0/1 for tasks 1..T-1, or a run.json; default: "
+                            "the upper bound, every decision Expand")
+    grown.add_argument("--experts-per-layer", type=float, metavar="X",
+                       help="as --decisions, from the mean experts per MoE layer after the last task "
+                            "(e.g. a paper's 17.8), expansions spread evenly over tasks and layers")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("perf", help="measure generation speed-up, harness overhead, MoE dispatch, "
                                     "the loss upcycling adds before training, deepspeed's per-step cost, or fp32 against bf16")

@@ -134,6 +134,15 @@ class RunConfig:
         for name in ("batch_size", "micro_batch_size", "epochs", "max_prompt_len", "max_answer_len"):
             if getattr(t, name) < 1:
                 raise UserError(f"train.{name}={getattr(t, name)} must be at least 1")
+        if not (math.isfinite(t.grad_clip) and t.grad_clip >= 0):  # NaN or < 0 would turn clipping off
+            raise UserError(f"train.grad_clip={t.grad_clip} must be a finite number >= 0 (0 turns clipping off)")
+        cap = self.eval.max_new_tokens_cap
+        if cap is not None and cap < 1:
+            raise UserError(f"eval.max_new_tokens_cap={cap} must be at least 1, or null for each task's own")
+        rid = self.run_id
+        if rid is not None and (rid in ("", ".", "..") or "/" in rid or "\\" in rid or "\0" in rid):
+            raise UserError(f"run_id={rid!r} must be one plain folder name (no '/', not '.' or '..'); "
+                            f"use --output-dir for where run folders go")
         for where, value in (("train.precision", t.precision), ("eval.precision", self.eval.precision)):
             if value not in PRECISIONS:
                 raise UserError(f"{where}={value!r} must be one of {', '.join(PRECISIONS)}")
@@ -258,14 +267,26 @@ def parse_value(text: str, typ: Any, where: str) -> Any:
     if typ is str or typ is Any:
         return text
     if origin in (list, tuple):
-        value = yaml.safe_load(text) if text.startswith("[") else text.split(",")
+        value = _yaml_value(text, where) if text.startswith("[") else text.split(",")
+        if not isinstance(value, list):
+            raise UserError(f"{where}={text!r} must be a list like [a, b]")
         return [parse_value(str(v), args[0], where) for v in value] if args else value
     if origin is dict:
-        value = yaml.safe_load(text)
+        value = _yaml_value(text, where)
         if not isinstance(value, dict):
             raise UserError(f"{where}={text!r} must be a mapping like {{key: value}}")
         return value
     raise UserError(f"{where}: cannot parse a value of type {typ}")
+
+
+def _yaml_value(text: str, where: str) -> Any:
+    """A flow-style YAML value of a flag ([1, 2], {a: 1}); safe_load: tags are refused."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise UserError(f"{where}={text!r} is not a valid YAML value ({problem}); "
+                        f"write a plain list like [1, 2] or mapping like {{key: 1}}") from None
 
 
 def coerce(value: Any, typ: Any, where: str) -> Any:
@@ -357,6 +378,9 @@ def set_dotted(raw: dict, dotted: str, text: str) -> None:
     node = raw
     for part in parts[:-1]:
         node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise UserError(f"--set {dotted}={text}: '{part}' is a value, not a section; "
+                            f"set it whole or set its fields, not both")
     node[parts[-1]] = text
 
 

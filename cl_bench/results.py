@@ -5,6 +5,8 @@ what was there.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import pickle
@@ -28,6 +30,7 @@ RUN_FILE = "run.json"
 PREDICTIONS_FILE = "predictions.jsonl"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = "checkpoint"
+LOCK_FILE = "run.lock"  # flock-ed by the process writing the run; holds its PID
 ZERO_SHOT_STAGE = -1  # the `stage` of the zero-shot row's predictions and task metrics
 
 
@@ -49,11 +52,12 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def write_json(path: Path, data: Any) -> None:
-    atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    # allow_nan=False: a NaN or inf raises here rather than writing a file that is not JSON
+    atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False, allow_nan=False) + "\n")
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
-    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n" for r in rows))
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -64,13 +68,21 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def read_record(run_dir: Path) -> dict:
     path = run_dir / RUN_FILE
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"{run_dir}: is a file, not a run folder; pass the folder that holds {RUN_FILE}")
     try:
-        record = json.loads(path.read_text())
+        record = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UserError(f"{path}: no run record here; pass the folder of a run "
                         f"(it holds {RUN_FILE})") from None
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}: not valid JSON (line {exc.lineno}); the record is damaged") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text (byte {exc.start}); the record is damaged") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read the run record ({exc.strerror}); check the path") from None
+    if not isinstance(record, dict):
+        raise UserError(f"{path}: not a run record (a JSON object); the record is damaged")
     version = record.get("schema_version")
     if version != SCHEMA_VERSION:
         raise UserError(f"{path}: schema_version {version!r}; this cl-bench reads version "
@@ -87,6 +99,38 @@ def ensure_writable(directory: Path) -> None:
     except OSError as exc:
         raise UserError(f"{directory}: output directory is not writable ({exc.strerror}); "
                         f"pass --output-dir with a folder you can write") from None
+
+
+def lock_run(run_dir: Path):
+    """An exclusive flock on run_dir/run.lock for as long as the returned file stays
+    open (close it to release; the kernel releases it when the process dies). Our
+    PID goes into the file, so a second writer can say who holds the run."""
+    path = run_dir / LOCK_FILE
+    try:
+        fh = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+", encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"{run_dir}: run folder is not writable ({exc.strerror}); fix its permissions "
+                        f"or choose another --output-dir/--run-id") from None
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = fh.read().strip() or "unknown"
+        fh.close()
+        if exc.errno not in (errno.EAGAIN, errno.EACCES):
+            raise UserError(f"{path}: cannot lock the run folder ({exc.strerror})") from None
+        raise UserError(f"{run_dir}: in use by another cl-bench process (PID {holder}, holding {path}); "
+                        f"wait for it to finish or stop it, or choose another --run-id") from None
+    try:
+        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-check-"):
+            pass  # the folder itself takes new files (the lock file may predate a chmod)
+        fh.truncate(0)
+        fh.write(f"{os.getpid()}\n")
+        fh.flush()
+    except OSError as exc:
+        fh.close()
+        raise UserError(f"{run_dir}: run folder is not writable ({exc.strerror}); free space or fix "
+                        f"its permissions") from None
+    return fh
 
 
 def versions() -> dict[str, str]:
@@ -138,13 +182,22 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:
     staging = run_dir / f"{CHECKPOINT_DIR}.new"
     old = run_dir / f"{CHECKPOINT_DIR}.old"
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    torch.save(state, staging / "state.pt")
+    try:
+        staging.mkdir()
+        torch.save(state, staging / "state.pt")
+    except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as RuntimeError
+        shutil.rmtree(staging, ignore_errors=True)
+        raise UserError(f"{staging}: cannot write the checkpoint ({str(exc).splitlines()[0]}); the "
+                        f"previous one is kept: free space, then cl-bench run --resume {run_dir}") from None
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
     staging.rename(final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    return any((run_dir / name / "state.pt").exists() for name in (CHECKPOINT_DIR, f"{CHECKPOINT_DIR}.old"))
 
 
 def load_checkpoint(run_dir: Path) -> dict[str, Any]:

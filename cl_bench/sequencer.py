@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import resource
 import shutil
 import secrets
@@ -34,7 +35,7 @@ from cl_bench.benchmarks.trace import load_benchmark, load_split, resolve_data_d
 from cl_bench.benchmarks.trace.tasks import CL_TASKS
 from cl_bench.config import RunConfig, build, check_per_task
 from cl_bench.data import Encoder, collate, tokenize_train
-from cl_bench.errors import UserError
+from cl_bench.errors import UserError, did_you_mean
 from cl_bench.evaluation import evaluate_task, majority_level
 from cl_bench.method import Method, MethodContext, Phase, Stage
 from cl_bench.intervals import run_intervals
@@ -64,6 +65,7 @@ class Run:
     optimizer: torch.optim.Optimizer | None = None
     progress: bool = True
     probe: RepresentationProbe | None = None  # eval.cka_probe > 0
+    lock: Any = None  # rank 0: the run folder's lock (results.lock_run), held until execute ends
 
     @property
     def cache_dir(self) -> Path | None:
@@ -89,22 +91,50 @@ def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: 
     t_start = time.perf_counter()
     command = command or shlex.join(["cl-bench", *sys.argv[1:]])
     if resume_dir is not None:
-        record = results.read_record(resume_dir)
-        if record.get("status") == "complete":
-            raise UserError(f"{resume_dir}: this run is already complete; nothing to resume")
+        try:
+            record = _resumable(results.read_record(resume_dir), resume_dir)
+        except UserError:
+            if (resume_dir / results.LOCK_FILE).is_file():  # a run starting there, before its first record?
+                results.lock_run(resume_dir).close()  # if so, this names its PID
+            raise
         config = build(record["config"], f"{resume_dir / results.RUN_FILE}: config")
         run_dir = resume_dir
-    method_cls = registry.get(config.method)
+    method_cls = _method_class(config.method)
     check_support(method_cls, config)
     method_args = method_cls.parse_args(method_cls.args_for(config))
+    for key, lr in dataclasses.asdict(method_args).items():  # lr, and any other learning rate (*_lr)
+        if (key == "lr" or key.endswith("_lr")) and isinstance(lr, float) and not (math.isfinite(lr) and lr > 0):
+            raise UserError(f"method_args.{key}={lr} must be a finite number > 0, e.g. --method-arg {key}=3e-4")
     resolve_order(config.data.order)
     check_per_task(config, list(CL_TASKS))
+    _check_model(config.model)
     data_dir = resolve_data_dir(config.data.data_dir)
     backend = create_backend(config)  # deepspeed: joins the other ranks
+    held: list = []  # rank 0: the run folder's lock, from here until execute ends
     if resume_dir is None:
         config.run_id = config.run_id or backend.on_main(lambda: new_run_id(config.method))
         run_dir = Path(config.output_dir) / config.run_id
-        backend.on_main(lambda: _claim(run_dir))
+        backend.on_main(lambda: held.append(_claim(run_dir)))
+    else:
+        backend.on_main(lambda: held.append(results.lock_run(run_dir)))
+    try:
+        run = _prepare_locked(config, resume_dir, run_dir, record if resume_dir is not None else None,
+                              method_cls, method_args, data_dir, backend, progress, command, t_start)
+    except BaseException:
+        for lock in held:
+            lock.close()
+        raise
+    run.lock = held[0] if held else None
+    return run
+
+
+def _prepare_locked(config, resume_dir, run_dir, record, method_cls, method_args, data_dir, backend,
+                    progress, command, t_start) -> Run:
+    """The rest of prepare, under the run folder's lock (released if this raises)."""
+    restart = False
+    if resume_dir is not None:
+        record = _resumable(results.read_record(resume_dir), resume_dir)  # again, now no one else writes it
+        restart = not results.has_checkpoint(resume_dir)
     d = config.data
     tasks = load_benchmark(data_dir, d.order, d.n_train, d.n_test, config.seed, d.n_train_per_task,
                            d.n_test_per_task, d.test_split)
@@ -125,27 +155,91 @@ def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: 
     method.setup(loaded.model)
     stages = method.plan(tasks)
 
-    if resume_dir is None:
+    if resume_dir is None or restart:
         backend.on_main(lambda: run_dir.mkdir(parents=True, exist_ok=True))
-        record = _new_record(config, method, method_args, loaded.info, tasks, stages, command, backend)
+        first = record.get("command", command) if restart else command
+        record = _new_record(config, method, method_args, loaded.info, tasks, stages, first, backend)
     run = Run(config, run_dir, method, tasks, stages, encoder, backend, record, replay, sources,
               progress=progress and backend.is_main)
     if config.eval.cka_probe:
         run.probe = RepresentationProbe(config.eval.cka_probe, config.eval.cka_probe_tokens)
-    if resume_dir is not None:
+    if resume_dir is not None and not restart:
         _restore(run, command)
     else:  # validation, data, model load and method set-up, before the first evaluation
         record["timing"]["prepare_s"] = round(time.perf_counter() - t_start, 2)
+    if restart:  # no checkpoint yet: the run starts again from its first stage, in its folder
+        record["resumes"] = [{"at_stage": 0, "command": command, "backend": backend.describe()}]
+        if backend.is_main:
+            log.info("%s: no checkpoint (it stopped before its first stage was saved); restarting it "
+                     "from stage 1", run_dir)
+        backend.barrier()  # every rank has read the files before rank 0 rewrites them
+        backend.on_main(lambda: (run_dir / results.METRICS_FILE).unlink(missing_ok=True))
+        _write(run)
     backend.barrier()  # every rank has read what rank 0 is about to rewrite
     return run
 
 
-def _claim(run_dir: Path) -> None:
-    """Fail early, before loading a model, if the run folder cannot be written or is taken."""
+def _resumable(record: dict, resume_dir: Path) -> dict:
+    if record.get("status") == "complete":
+        raise UserError(f"{resume_dir}: this run is already complete; nothing to resume")
+    if not isinstance(record.get("config"), dict):
+        raise UserError(f"{resume_dir / results.RUN_FILE}: the record has no 'config'; it cannot be "
+                        f"resumed: start a new run")
+    return record
+
+
+def _method_class(name: str) -> type:
+    """registry.get, with a hint where only the case is wrong (method names are lower-case)."""
+    try:
+        return registry.get(name)
+    except UserError:
+        names = {key for cls in registry.available().values() for key in (cls.name, *cls.aliases)}
+        if name.lower() == name or name.lower() not in names:
+            raise
+    raise UserError(f"unknown method '{name}'; did you mean '{name.lower()}'? method names are lower-case")
+
+
+def _check_model(spec: str) -> None:
+    """An unknown model name fails here, before any data loads, with the closest
+    built-in name (case-insensitive); the rule is models.loading.load's."""
+    from cl_bench.models.loading import builtin_names
+
+    names = builtin_names()
+    if (spec in names or Path(spec).expanduser().exists()
+            or spec.count("/") == 1 and not spec.startswith((".", "/"))):
+        return
+    raise UserError(f"unknown model '{spec}'; {did_you_mean(spec.lower(), names)}not a built-in name "
+                    f"({', '.join(names)}), an existing directory, or a hub id like 'org/name'")
+
+
+def _claim(run_dir: Path):
+    """Fail early, before loading a model, if the run folder cannot be written or is
+    taken; returns its lock. A run starts only in an absent or empty folder (one that
+    holds only a lock file counts as empty: a start that failed before writing)."""
     results.ensure_writable(run_dir.parent)
-    if (run_dir / results.RUN_FILE).exists():
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"{run_dir}: is a file, not a run folder; choose another --run-id")
+    if not (run_dir / results.LOCK_FILE).exists():
+        _refuse_taken(run_dir)  # before a lock file goes into someone else's folder
+    run_dir.mkdir(exist_ok=True)
+    lock = results.lock_run(run_dir)  # a second writer fails here, naming the first one's PID
+    try:
+        _refuse_taken(run_dir)  # again, under the lock
+    except UserError:
+        lock.close()
+        raise
+    return lock
+
+
+def _refuse_taken(run_dir: Path) -> None:
+    found = sorted(p.name for p in run_dir.iterdir() if p.name != results.LOCK_FILE) if run_dir.is_dir() else []
+    if results.RUN_FILE in found:
         raise UserError(f"{run_dir}: a run with this id exists; resume it with "
                         f"--resume {run_dir} or choose another --run-id")
+    if found:
+        shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        raise UserError(f"{run_dir}: folder exists and is not empty ({shown}); a run starts only in an "
+                        f"absent or empty folder: choose another --run-id or --output-dir")
 
 
 def _new_record(config, method, method_args, model_info, tasks, stages, command: str,
@@ -251,6 +345,8 @@ def _restore(run: Run, command: str) -> None:
     run.backend.barrier()  # every rank has read the files before rank 0 rewrites one
     run.backend.on_main(lambda: results.write_jsonl(metrics, kept))
     rec["status"] = "running"
+    rec.pop("error", None)  # of the interrupted attempt
+    rec.pop("failed_at", None)
     rec.setdefault("resumes", []).append({"at_stage": done, "command": command,
                                           "backend": run.backend.describe()})
     if run.backend.is_main:
@@ -279,8 +375,17 @@ def _evaluate(run: Run, stage_label: str, indices: list[int], model) -> dict[int
 def _write(run: Run) -> None:
     if not run.backend.is_main:
         return
-    results.write_json(run.run_dir / results.RUN_FILE, run.record)
-    results.write_jsonl(run.run_dir / results.PREDICTIONS_FILE, run.predictions)
+    try:
+        results.write_json(run.run_dir / results.RUN_FILE, run.record)
+        results.write_jsonl(run.run_dir / results.PREDICTIONS_FILE, run.predictions)
+    except (OSError, ValueError) as exc:  # ValueError: a NaN or inf, which JSON cannot hold
+        raise _cannot_write(run, exc) from None
+
+
+def _cannot_write(run: Run, exc: Exception) -> UserError:
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return UserError(f"{run.run_dir}: cannot write the run's files ({reason}); the last checkpoint is "
+                     f"kept: free space or fix permissions, then cl-bench run --resume {run.run_dir}")
 
 
 def execute(run: Run, keep_checkpoint: bool = False) -> dict[str, Any]:
@@ -312,8 +417,15 @@ def execute(run: Run, keep_checkpoint: bool = False) -> dict[str, Any]:
     except BaseException as exc:
         rec["status"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
         rec["error"] = f"{type(exc).__name__}: {exc}"
-        _write(run)
+        try:
+            _write(run)
+        except UserError as again:  # e.g. the disk is still full: the record keeps its last state
+            log.warning("%s", again)
         raise
+    finally:
+        if run.lock is not None:
+            run.lock.close()
+            run.lock = None
     return rec
 
 
@@ -336,6 +448,13 @@ def _train_phase(run: Run, stage: Stage, phase: Phase, desc: str, log_rows: list
     extra = {"phase": phase.name} if tag else {}
     with tqdm(total=n_steps, desc=desc, unit="step", disable=not run.progress) as bar:
         def on_step(step: int, parts: dict[str, float]) -> None:
+            bad = [k for k, v in parts.items() if not math.isfinite(v)]
+            if bad:  # diverged: the stage stops here, before anything of it is saved
+                run.record["failed_at"] = {"stage": stage.index, "step": step}
+                kept = f"stage {stage.index}'s checkpoint is kept" if stage.index else "no stage was saved"
+                raise UserError(f"{desc}: {bad[0]} is {parts[bad[0]]} at step {step}; the run diverged "
+                                f"and stopped ({kept}): lower method_args.lr (now {method.args.lr:g}) "
+                                f"and start a new run")
             log_rows.append({"stage": stage.index, **extra, "step": step, **parts})
             bar.set_postfix({k: f"{v:.3f}" for k, v in parts.items() if k != "grad_norm"})
             bar.update()
@@ -408,8 +527,11 @@ def _run_stage(run: Run, stage: Stage) -> None:
     rec["replay"] = {**run.replay.summary(), "used": used}
     rec["stages_done"] = stage.index + 1
     if run.backend.is_main:
-        with (run.run_dir / results.METRICS_FILE).open("a") as fh:
-            fh.writelines(json.dumps(r) + "\n" for r in log_rows)
+        try:
+            with (run.run_dir / results.METRICS_FILE).open("a") as fh:
+                fh.writelines(json.dumps(r, allow_nan=False) + "\n" for r in log_rows)
+        except (OSError, ValueError) as exc:
+            raise _cannot_write(run, exc) from None
     # Record first, checkpoint second: a crash between the two resumes from the
     # previous checkpoint and redoes this stage, never skips it.
     _write(run)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from cl_bench import registry, results
 from cl_bench.config import ReplayConfig, RunConfig
 from cl_bench.errors import UserError
 from cl_bench.method import MethodContext, Stage
-from cl_bench.methods.bilevel_cka import BilevelCKAArgs, mask_schedule, straight_through_gumbel
+from cl_bench.methods.bilevel_cka import BilevelCKAArgs, mask_schedule, reachable_mask_lr, straight_through_gumbel
 from cl_bench.models import moe
 from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import params_command
@@ -55,9 +56,11 @@ def logits(model, b, method=None, pi=None):
         return model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
 
 
-def train(method, steps, stage):
-    """`steps` optimiser steps as the backend takes them: task loss, replay loss, step."""
-    optimizer = method.optimizer_for_stage(stage, None)
+def train(method, steps, stage, previous=None, log=None):
+    """`steps` optimiser steps as the backend takes them: task loss, replay loss, step;
+    the optimiser from optimizer_for_stage(stage, previous), as the sequencer asks
+    for it. `log`: a list that gets each step's replay parts."""
+    optimizer = method.optimizer_for_stage(stage, previous)
     for step in range(steps):
         optimizer.zero_grad()
         loss, _ = method.loss(batch(step), step)
@@ -65,11 +68,44 @@ def train(method, steps, stage):
         loss, parts = method.replay_loss(batch(100 + step), step)
         loss.backward()
         optimizer.step()
+        if log is not None:
+            log.append(parts)
     return optimizer, parts
 
 
 def clone_params(method):
     return {f"{i}.{n}": p for i, net in method._task.nets.items() for n, p in net.clones.named_parameters()}
+
+
+def mean_loss(model, batches):
+    """Answer-token CE over `batches`, token-weighted, no gradient."""
+    total = tokens = 0
+    with torch.no_grad():
+        for b in batches:
+            n = int((b["labels"] != -100).sum())
+            total += float(model(**b).loss) * n
+            tokens += n
+    return total / tokens
+
+
+def pair_share(model, batches):
+    """Per MoE layer of the (finalised) model: the share of the non-pad tokens of
+    `batches` whose top-k holds two experts of one slot, from the layer's own router."""
+    shares = []
+    for layer in moe.moe_layers(model):
+        pairs = tokens = 0
+        for b in batches:
+            seen = []
+            handle = layer.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+            with torch.no_grad():
+                model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+            handle.remove()
+            _, _, indices = layer.route(seen[0][b["attention_mask"].bool()])  # (n, k)
+            slots = layer.slots()[indices].sort(dim=-1).values
+            pairs += int((slots[:, 1:] == slots[:, :-1]).any(dim=-1).sum())
+            tokens += indices.shape[0]
+        shares.append(pairs / tokens)
+    return shares
 
 
 # ---- pieces ----------------------------------------------------------------------------
@@ -113,7 +149,11 @@ def test_the_supernet_is_the_pre_task_model_with_masks_at_zero_while_clones_trai
     method.before_task(stage)
     ones, zeros = torch.ones(2, K), torch.zeros(2, K)
     torch.testing.assert_close(logits(model, b, method, zeros), before, rtol=0, atol=1e-6)
-    torch.testing.assert_close(logits(model, b, method, ones), before, rtol=0, atol=1e-6)  # clones = copies
+    for net in method._task.nets.values():  # clones start as copies of their experts, rows of their own
+        experts = net.moe.experts()
+        for c, e in enumerate(net.active.tolist()):
+            clone = (net.clones.gate[c], net.clones.up[c], net.clones.down[c])
+            assert all(torch.equal(w, old) for w, old in zip(clone, experts[e]))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable == {f"model.layers.{i}.mlp.clones.{p}" for i in range(2)
                          for p in ("gate", "up", "down", "router_weight", "router_bias")}
@@ -246,6 +286,97 @@ def test_expand_adds_one_expert_and_an_aligned_row_per_decision_and_recycle_none
     torch.testing.assert_close(method._task.nets[0].clones.gate[1], layer0.groups[-1].gate[0], rtol=0, atol=0)
 
 
+def test_the_finalised_model_is_the_searched_supernet_without_pairs_of_copies():
+    """Issue #9. The deployed model must be the supernet at pi = the decisions, and
+    top-k must not pick the old and the new copy of one slot (a clone whose row is a
+    copy of its slot's: 100% of the tokens, logits 0.44 from the supernet's). Inner
+    lr 1e-5, 8 steps a task, as measured; task 2 also routes task 1's copies."""
+    method, model = make(lr=1e-5, mask_every=2)
+    check = [batch(s) for s in range(4, 8)]  # the last 4 task micro-batches: the record's deploy check
+    for t in (1, 2):
+        stage = Stage(t, [], f"task {t}")
+        method.before_task(stage)
+        train(method, 8, stage)
+        task = method._task
+        expand = (task.logits[..., 1] - task.logits[..., 0]).detach().sigmoid() > 0.5
+        assert expand.any()  # copies to pair up
+        method._set_masks(expand.float())
+        searched, searched_logits = mean_loss(model, check), logits(model, check[0])
+        method.after_task(stage)
+        shares = pair_share(model, check)
+        # chance for top-2 of 16 experts, 8 slots of two: 8 / C(16, 2) = 6.7%
+        assert max(shares) <= 0.25, (t, shares)
+        deployed = mean_loss(model, check)
+        assert abs(deployed - searched) <= 1e-5, (t, deployed, searched)
+        torch.testing.assert_close(logits(model, check[0]), searched_logits, rtol=0, atol=1e-5)
+        record = method.param_report()["deploy_check"]
+        assert record["batches"] == 4 and record["loss_gap"] <= 1e-5
+        assert record["deployed_loss"] == pytest.approx(deployed, abs=1e-5)
+        assert record["pair_share"] == pytest.approx(shares, abs=1e-6)
+
+
+def test_the_clones_train_with_the_optimiser_the_sequencer_carries_over():
+    """The sequencer hands stage t-1's optimiser to optimizer_for_stage. One built
+    before the clones existed (the published code's) holds none of them: they
+    would never step, and the knowledge gain would measure untrained copies."""
+    method, model = make(mask_every=2)
+    previous = method.optimizer_for_stage(Stage(0, [], "task 0"), None)  # stage 0's: no clone yet
+    stage = Stage(1, [], "task 1")
+    method.before_task(stage)
+    clones = clone_params(method)
+    start = {n: p.detach().clone() for n, p in clones.items()}
+
+    def gain():  # L_recycle - L_expand on a fixed task batch
+        method._set_masks(torch.zeros(2, K))
+        recycle = mean_loss(model, [batch(50)])
+        method._set_masks(torch.ones(2, K))
+        return recycle - mean_loss(model, [batch(50)])
+
+    before, log = gain(), []
+    optimizer, _ = train(method, 4, stage, previous, log)
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    assert all(id(p) in held for p in clones.values()), "clones missing from the stage's optimiser"
+    assert {n for n, p in clones.items() if not torch.equal(p, start[n])} == set(start)  # every clone stepped
+    assert abs(gain() - before) > 1e-3  # Expand's loss moved: the clones learned
+    gains = [parts["mask_gain"] for parts in log if "mask_gain" in parts]
+    assert len(gains) == 2 and len(set(gains)) == 2
+
+
+def test_recycle_is_reachable_on_a_short_task():
+    """Adam moves a logit by at most ~mask_lr per update, so the expand - recycle gap
+    moves at most 2 U mask_lr: with U = 4 and 0.01 that is 0.08 from the prior's
+    0.405, and Recycle is out of reach. mask_lr_eff makes the reach 2 g0."""
+    a, g0 = BilevelCKAArgs(), math.log(0.6 / 0.4)
+    for steps, updates, lr in ((8, 4, g0 / 4), (12, 4, g0 / 4), (32, 4, g0 / 4), (785, 78, 0.01)):
+        assert mask_schedule(steps, a)[1] == updates
+        assert reachable_mask_lr(updates, g0, a.mask_lr) == pytest.approx(lr)
+        assert 2 * updates * reachable_mask_lr(updates, g0, a.mask_lr) >= 2 * g0 - 1e-9
+    assert reachable_mask_lr(None, g0, a.mask_lr) == a.mask_lr  # steps unknown: as given
+
+    # an outer loss that pushes every slot to Recycle gets there in a task of 8 steps
+    method, model = make(r_target=0.0, beta=100.0, gamma=0.0)
+    method.stage_steps = lambda stage: 8
+    stage = Stage(1, [], "task 1")
+    method.before_task(stage)
+    train(method, 8, stage)
+    method.after_task(stage)
+    report = method.param_report()
+    s = report["mask_schedule"]
+    assert (s["steps"], s["mask_every"], s["updates"]) == (8, 2, 4)
+    assert s["mask_lr"] == 0.01 and s["mask_lr_eff"] == pytest.approx(g0 / 4)
+    assert s["init_gap"] == pytest.approx(g0, abs=1e-6) and s["reach"] >= 2 * s["init_gap"] - 1e-6
+    assert report["expansion_rate"] == 0.0, report["expand_prob"]
+
+    # no outer update at all: refused before training, naming the arguments
+    refused, _ = make(min_mask_updates=0)
+    refused.stage_steps = lambda stage: 8
+    tasks = [SimpleNamespace(name=f"t{i}", train=[]) for i in range(2)]
+    for call in (lambda: refused.plan(tasks), lambda: refused.before_task(Stage(1, [], "task 1"))):
+        with pytest.raises(UserError, match=r"mask_every=10 with method_args.min_mask_updates=0.*"
+                                            r"min_mask_updates >= 1.*mask_every <= 8"):
+            call()
+
+
 def test_mask_off_expands_every_slot():
     method, model = make(mask="off")
     stage = Stage(1, [], "task 1")
@@ -310,6 +441,9 @@ def test_smoke_run_records_decisions_and_resumes_to_the_same_run(trace_dir, tmp_
         s = p["mask_schedule"]  # smoke: 2 steps a task -> an outer step each, tau down to 0.1
         assert (s["steps"], s["mask_every"], s["updates"]) == (2, 1, 2)
         assert s["tau_end"] == pytest.approx(0.1)
+        assert s["mask_lr_eff"] == pytest.approx(math.log(1.5) / 2)  # 2 updates: raised so Recycle is reachable
+        d = p["deploy_check"]  # the deployed model is the searched one, without pairs of copies
+        assert d["batches"] == 4 and d["loss_gap"] <= 1e-5 and max(d["pair_share"]) <= 0.25, d
     rows = results.read_jsonl(only_run(straight) / "metrics.jsonl")
     later = [r for r in rows if r["stage"] >= 1]
     assert all({"lm", "lb", "expand", "replay_lm", "replay_cka", "replay_cka_1", "replay_mask_loss",

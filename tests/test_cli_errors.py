@@ -40,6 +40,8 @@ def test_missing_split_and_missing_task_folder(trace_dir, tmp_path, capsys):
     ("--order", "NumGLUE-cm,Py15O", "did you mean 'Py150'"),
     ("--method", "seqtf", "did you mean 'seqft'"),
     ("--model", "no-such-model", "unknown model 'no-such-model'"),
+    ("--model", "Tiny-Llama", "did you mean 'tiny-llama'"),
+    ("--method", "LoRA", "did you mean 'lora'"),
     ("--profile", "smok", "did you mean 'smoke'"),
     ("--method-arg", "lrr=1", "did you mean 'lr'"),
     ("--method-arg", "lr=fast", "not a valid float"),

@@ -71,3 +71,43 @@ def test_cli_profile_flag_beats_the_file_and_the_file_beats_the_default(trace_di
     record = json.loads((only_run(out) / "run.json").read_text())
     assert record["profile"] == "smoke" and record["tasks"] == ["Py150"]
     assert record["config"]["data"]["data_dir"] == str(trace_dir)
+
+
+def test_profile_flag_beats_the_files_profile(trace_dir, tmp_path):
+    import json
+
+    from conftest import only_run, run_cli
+
+    f = tmp_path / "c.yaml"
+    f.write_text(f"profile: cpu\ndata:\n  data_dir: {trace_dir}\n  order: [Py150]\n")
+    out = tmp_path / "runs"
+    assert run_cli("run", "--config", f, "--profile", "smoke", "--output-dir", out, "--no-progress") == 0
+    record = json.loads((only_run(out) / "run.json").read_text())
+    assert record["profile"] == "smoke" and record["model"]["id"] == "tiny-llama"
+    assert resolve("cpu", f, {"profile": "smoke"}).eval.max_new_tokens_cap == 8
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"train": {"grad_clip": "nan"}}, "train.grad_clip=nan must be a finite number >= 0"),
+    ({"train": {"grad_clip": "-0.5"}}, "train.grad_clip=-0.5 must be a finite number >= 0"),
+    ({"eval": {"max_new_tokens_cap": "0"}}, "eval.max_new_tokens_cap=0 must be at least 1"),
+    ({"run_id": ".."}, "run_id='..' must be one plain folder name"),
+    ({"run_id": "x/../../y"}, "must be one plain folder name"),
+    ({"run_id": ""}, "must be one plain folder name"),
+    ({"train": {"lr_by_family": "{full: !!python/object/apply:os.system [ls]}"}}, "is not a valid YAML value"),
+    ({"train": {"lr_by_family": "{full: [}"}}, "is not a valid YAML value"),
+    ({"eval": {"sharpness_layers": "[0, {a: 1}]"}}, "not a valid int"),
+])
+def test_refused_values(overrides, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        resolve("smoke", None, overrides)
+    assert resolve("smoke", None, {"train": {"grad_clip": "0"}, "eval": {"max_new_tokens_cap": "null"}}).train.grad_clip == 0
+
+
+def test_set_into_a_value_is_refused():
+    from cl_bench.config import set_dotted
+
+    raw = {}
+    set_dotted(raw, "train", "3")
+    with pytest.raises(UserError, match="'train' is a value, not a section"):
+        set_dotted(raw, "train.epochs", "2")

@@ -1,6 +1,8 @@
-"""Parameter accounting: the paper's 1.236B / 6.07B on the meta device, and the
-trainable set of upcycle on the tiny model."""
+"""Parameter accounting: the paper's 1.236B / 6.07B on the meta device, the
+trainable set of upcycle on the tiny model, and bilevel-cka counted from decisions."""
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -9,7 +11,7 @@ from cl_bench.errors import UserError
 from cl_bench.method import Stage
 from cl_bench.models import moe
 from cl_bench.models.loading import meta_model, tiny_llama
-from cl_bench.models.params import count, format_schedule, params_command, schedule_report
+from cl_bench.models.params import count, format_schedule, load_decisions, params_command, schedule_report
 
 L, d, H = 16, 2048, 8192  # Llama-3.2-1B
 PER_EXPERT = 3 * d * (H // 8)  # 6,291,456
@@ -96,3 +98,56 @@ def test_active_params_count_top_k_experts_of_each_moe_layer():
     assert report["experts_per_layer"] == [0, 16]
     assert report["total"] == dense_total + 16 * expert + 16 * 65
     assert report["active_per_token"] == report["total"] - 14 * expert
+
+
+def test_bilevel_cka_counts_given_decisions_and_the_papers_two_figures_disagree():
+    """In the accounting that gives Standard upcycling 6.07B, the paper's 17.8 experts
+    per layer (157 of 240 decisions Expand) are 3.03B, and its 2.46B are 12.2 experts
+    per layer: the two cannot both hold."""
+    per_expert = PER_EXPERT + ROUTER_ROW  # an expert and its router row, per layer
+    base = 1_235_814_400 + L * 8 * per_expert  # task 0: 8 experts a layer
+    high = params_command("llama-3.2-1b", "bilevel-cka", 6, experts_per_layer=17.8)
+    low = params_command("llama-3.2-1b", "bilevel-cka", 6, experts_per_layer=12.2)
+    assert sum(high[-1]["experts_per_layer"]) == 128 + 157 and max(high[-1]["experts_per_layer"]) == 18
+    assert high[-1]["total"] == base + 157 * per_expert == 3_029_463_325
+    assert sum(low[-1]["experts_per_layer"]) == 128 + 67
+    assert low[-1]["total"] == base + 67 * per_expert == 2_463_047_875
+    assert high[-1]["total"] == pytest.approx(3.03e9, rel=2e-3) and low[-1]["total"] == pytest.approx(2.46e9, rel=2e-3)
+    for rows in (high, low):  # growth only where decided: stage by stage, never past the upper bound
+        assert rows[0]["experts_per_layer"] == [8] * L
+        totals = [r["total"] for r in rows]
+        assert totals == sorted(totals) and totals[-1] < 6.0e9
+        assert "spread evenly" in rows[-1]["bound"]
+    assert "mean 17.81" in format_schedule(high) and "3.029B" in format_schedule(high)
+    with pytest.raises(UserError, match="experts-per-layer 50"):
+        params_command("llama-3.2-1b", "bilevel-cka", 6, experts_per_layer=50)
+
+
+def test_params_cli_reads_a_decision_map_or_a_run_record(tmp_path, capsys):
+    from conftest import run_cli
+
+    expert = 3 * 16 * 64 + 65  # tiny model: one slice expert (3 h d) and its router row (d + 1)
+    maps = [[[1, 0, 0, 0, 0, 0, 0, 1], [0] * 8],  # task 1: two Expands in layer 0
+            [[0] * 8, [1] * 8]]  # task 2: all of layer 1
+    (tmp_path / "map.json").write_text(json.dumps(maps))
+    (tmp_path / "run.json").write_text(json.dumps({"params": [{"decisions": None}] +
+                                                   [{"decisions": m} for m in maps]}))
+    upper = params_command("tiny-llama", "bilevel-cka", 3)
+    for path in ("map.json", "run.json"):
+        assert run_cli("params", "--model", "tiny-llama", "--method", "bilevel-cka", "--tasks", "3",
+                       "--decisions", tmp_path / path, "--json") == 0
+        rows = json.loads(capsys.readouterr().out)
+        assert [r["experts_per_layer"] for r in rows] == [[8, 8], [10, 8], [10, 16]]
+        assert [r["total"] - upper[0]["total"] for r in rows] == [0, 2 * expert, 10 * expert]
+        assert rows[-1]["bound"] == "the given decisions" and rows[-1]["decisions"] == maps[1]
+    assert upper[-1]["total"] - upper[0]["total"] == 32 * expert  # without a map: every decision Expand
+
+    with pytest.raises(UserError, match="task 2: expected 2 candidate layers x 8 slots"):
+        params_command("tiny-llama", "bilevel-cka", 3, decisions=[maps[0], [[1] * 8]])
+    with pytest.raises(UserError, match="1 tasks of decisions for --tasks 3"):
+        params_command("tiny-llama", "bilevel-cka", 3, decisions=maps[:1])
+    with pytest.raises(UserError, match="method 'upcycle' makes no Expand / Recycle.*bilevel-cka"):
+        params_command("tiny-llama", "upcycle", 3, decisions=maps)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(UserError, match="bad.json"):
+        load_decisions(tmp_path / "bad.json")

@@ -62,7 +62,7 @@ def test_interrupted_run_resumes_to_the_same_matrix(trace_dir, tmp_path, monkeyp
 
     assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
     resumed = json.loads((run_dir / "run.json").read_text())
-    assert resumed["status"] == "complete"
+    assert resumed["status"] == "complete" and "error" not in resumed  # the interrupt's error is gone
     assert resumed["matrix"] == expected["matrix"]
     assert len({v for row in expected["matrix"] for v in row if v is not None}) > 1  # not trivial
     losses = lambda d: [r["lm"] for r in results.read_jsonl(d / "metrics.jsonl")]

@@ -9,10 +9,18 @@ upcycled model that is all of it, as any expert may be routed to.
 `schedule_report` gives these per stage of a method's growth schedule without
 training or weights: on the meta device for the known configurations, through
 the method's classmethod `param_schedule(model, n_tasks, args)` (Method's runs
-its setup and per-stage hooks and reports after each).
+its setup and per-stage hooks and reports after each). A method whose growth
+depends on decisions made in training (bilevel-cka's Expand / Recycle) takes
+them as keyword arguments of its param_schedule: `decisions` (a map
+[task][layer][slot] of 0/1 for tasks 1..T-1, as its run records hold) or
+`experts_per_layer` (a mean count after the last task, e.g. a paper's figure);
+without them it reports its upper bound.
 """
 from __future__ import annotations
 
+import inspect
+import json
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -45,32 +53,75 @@ def _model(spec: str | nn.Module) -> nn.Module:
 
 
 def schedule_report(model: str | nn.Module, method: str, n_tasks: int,
-                    method_args: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+                    method_args: dict[str, Any] | None = None, *,
+                    decisions: list | None = None,
+                    experts_per_layer: float | None = None) -> list[dict[str, Any]]:
     """One row per stage ({"stage": t, **count}) of `method`'s growth over
     `n_tasks` tasks. `model`: a known configuration name (built on the meta
-    device), 'tiny-llama', or a model (modified in place by the schedule)."""
+    device), 'tiny-llama', or a model (modified in place by the schedule).
+    `decisions` / `experts_per_layer`: passed to the method's param_schedule,
+    for methods that take them (module docstring)."""
     from cl_bench import registry
 
     if n_tasks < 1:
         raise UserError(f"--tasks {n_tasks}: give at least 1 task")
     cls = registry.get(method)
     args = cls.parse_args(method_args or {})
-    return cls.param_schedule(_model(model), n_tasks, args)
+    given = {k: v for k, v in (("decisions", decisions), ("experts_per_layer", experts_per_layer))
+             if v is not None}
+    for key in given:
+        if key not in inspect.signature(cls.param_schedule).parameters:
+            takers = sorted(name for name, c in registry.available().items()
+                            if key in inspect.signature(c.param_schedule).parameters)
+            raise UserError(f"--{key.replace('_', '-')}: method '{cls.name}' makes no Expand / Recycle "
+                            f"decisions, its growth is fixed; methods that take it: {', '.join(takers) or 'none'}")
+    return cls.param_schedule(_model(model), n_tasks, args, **given)
+
+
+def load_decisions(path: str | Path) -> list:
+    """A decision map from a JSON file: [task][layer][slot] of 0/1 for tasks 1..T-1
+    (a leading null for task 0 may stand first), or a run record (run.json), whose
+    params hold each stage's `decisions`."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--decisions {path}: cannot read it as JSON ({exc})") from None
+    if isinstance(data, dict):
+        if not isinstance(data.get("params"), list):
+            raise UserError(f"--decisions {path}: a JSON object must be a run record with 'params'; "
+                            f"otherwise give a list [task][layer][slot] of 0/1")
+        data = [row.get("decisions") for row in data["params"]]
+        if any(d is None for d in data[1:]):
+            raise UserError(f"--decisions {path}: the record has stages without decisions "
+                            f"(not a bilevel-cka run with masks?)")
+    if not isinstance(data, list):
+        raise UserError(f"--decisions {path}: expected a list [task][layer][slot] of 0/1")
+    return data
 
 
 def params_command(model: str, method: str, tasks: int,
-                   method_args: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """What `cl-bench params --model M --method X --tasks N` reports."""
-    return schedule_report(model, method, tasks, method_args)
+                   method_args: dict[str, Any] | None = None, *,
+                   decisions: list | None = None,
+                   experts_per_layer: float | None = None) -> list[dict[str, Any]]:
+    """What `cl-bench params --model M --method X --tasks N [--decisions FILE |
+    --experts-per-layer X]` reports."""
+    return schedule_report(model, method, tasks, method_args, decisions=decisions,
+                           experts_per_layer=experts_per_layer)
 
 
 def format_schedule(rows: list[dict[str, Any]]) -> str:
-    """A plain-text table of `schedule_report` rows, counts in billions."""
+    """A plain-text table of `schedule_report` rows, counts in billions; experts per
+    layer as one number where every layer has it, else their mean and the list.
+    The last row's `bound` (what the counts assume), if any, closes it."""
     lines = [f"{'stage':>5}  {'total':>9}  {'trainable':>9}  {'active/tok':>10}  {'deployed':>9}  experts/layer"]
     for r in rows:
         experts = r.get("experts_per_layer")
         shown = "-" if experts is None else (
-            str(experts[0]) if len(set(experts)) == 1 else ",".join(map(str, experts)))
+            str(experts[0]) if len(set(experts)) == 1
+            else f"mean {sum(experts) / len(experts):.2f} ({','.join(map(str, experts))})")
         lines.append(f"{r['stage']:>5}  {r['total'] / 1e9:>8.3f}B  {r['trainable'] / 1e9:>8.3f}B  "
                      f"{r['active_per_token'] / 1e9:>9.3f}B  {r['deployed'] / 1e9:>8.3f}B  {shown}")
+    if rows and rows[-1].get("bound"):
+        lines.append(f"({rows[-1]['bound']})")
     return "\n".join(lines)
