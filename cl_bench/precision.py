@@ -8,8 +8,7 @@ at all, so an fp32 run is bit-identical to one made before this setting existed.
 
 `auto` picks bf16 where the device multiplies bf16 matrices natively (CUDA
 devices that report bf16 support; CPUs with AVX-512 BF16 or AMX), else fp32.
-Measured on the 2-core AVX-512 BF16 machine of the README: a SmolLM2 training
-step 1.96x faster than fp32 (results/perf/precision-smollm2.json).
+`cl-bench perf precision` measures the speed and the agreement of the two.
 """
 from __future__ import annotations
 

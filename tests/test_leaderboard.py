@@ -117,7 +117,7 @@ def test_markdown_shows_mean_pm_std_only_for_several_runs(runs_dir):
     cells = [c.strip() for c in seqft.strip("|").split("|")]
     # no predictions beside these records: no intervals, and no marks
     assert cells == ["seqft", "smollm2-135m", "cpu", "3", "2", "45.0 ± 7.1", "61.0 ± 1.4", "-12.0 ± 2.8",
-                     "–", "–", "–", "134.5M", "1.24B", "134.5M", "134.5M", "0", "–", "15.0"]
+                     "–", "–", "–", "–", "134.5M", "1.24B", "134.5M", "134.5M", "0", "–", "15.0"]
     ewc = [c.strip() for c in next(line for line in lines if line.startswith("| ewc")).strip("|").split("|")]
     assert ewc[5:8] == ["55.0", "58.0", "–"]  # one run: no ±; null BWT: en dash
 
@@ -260,7 +260,7 @@ def test_nulls_everywhere_render_as_dashes(tmp_path):
     write(tmp_path, make_run("a", last=None, stage=None, bwt=None, total_s=None, params=[]))
     df = build_table(load_runs(tmp_path))
     cells = [c.strip() for c in format_table(df, "md").strip().splitlines()[-1].strip("|").split("|")]
-    assert cells[5:] == ["–"] * 13
+    assert cells[5:] == ["–"] * 14
 
 
 def test_a_sweep_gives_one_row_per_argument_set_labelled_by_what_differs(tmp_path):
