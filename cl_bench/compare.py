@@ -16,7 +16,7 @@ from tabulate import tabulate
 
 from cl_bench import results
 from cl_bench.errors import UserError
-from cl_bench.intervals import SUMMARIES, ItemTable, point_summaries, replicates
+from cl_bench.intervals import SEED, SUMMARIES, ItemTable, point_summaries, replicates
 from cl_bench.metrics import bootstrap
 from cl_bench.report import SUMMARY_NAMES
 
@@ -94,7 +94,7 @@ def compare(run_dirs: list[Path], resamples: int = bootstrap.RESAMPLES) -> dict[
                           **bootstrap.paired_difference(reps[name], base_reps[name], a - b)}
         out.append({"run": str(d), "method": rec["method"], "summaries": rows})
     return {"baseline": str(run_dirs[0]), "baseline_method": base_rec["method"], "resamples": resamples,
-            "seed": 0, "level": bootstrap.LEVEL, "comparisons": out}
+            "seed": SEED, "level": bootstrap.LEVEL, "comparisons": out}
 
 
 def format_comparison(result: dict[str, Any]) -> str:
