@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -160,16 +159,18 @@ def _must_launch(args, config) -> bool:
 
 def _launch(args) -> int:
     """Start --nproc ranks of this same command through DeepSpeed's launcher; each
-    sees RANK in its environment and runs the command as one rank."""
+    sees RANK in its environment and runs the command as one rank. SIGINT or SIGTERM
+    to this process stops the launcher and every rank, and it returns only when all
+    have exited (cl_bench/signals.py)."""
     from cl_bench.backends.deepspeed_backend import free_port
+
+    from cl_bench import signals
 
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.nproc),
                 "--master_port", str(free_port()), "--no_local_rank", "--module", "cl_bench.cli"]
     env = {**os.environ, "CL_BENCH_COMMAND": args.command_line}
-    try:
-        return subprocess.run([*launcher, *args.argv], env=env).returncode
-    except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
+    code, stop = signals.wait_forwarding(signals.start_group([*launcher, *args.argv], env))
+    return EXIT_INTERRUPTED if stop.fired else code  # the ranks said what the interrupt left
 
 
 def cmd_show(args) -> int:

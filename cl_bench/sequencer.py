@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from cl_bench import precision, registry, results
+from cl_bench import precision, registry, results, signals
 from cl_bench.backends import Backend, check_support
 from cl_bench.backends import create as create_backend
 from cl_bench.benchmarks.trace import load_benchmark, load_split, resolve_data_dir, resolve_order
@@ -389,44 +389,50 @@ def _cannot_write(run: Run, exc: Exception) -> UserError:
 
 
 def execute(run: Run, keep_checkpoint: bool = False) -> dict[str, Any]:
-    """Run the remaining stages; returns the final record."""
+    """Run the remaining stages; returns the final record. SIGINT or SIGTERM stops it
+    as an interrupt (signals.interrupt_on_signals): the stage in progress is dropped
+    and the record says "interrupted", also where the signal surfaced as another
+    error (a collective whose peer rank had already stopped)."""
     rec = run.record
-    try:
-        ev = run.config.eval
-        if (ev.eval_all or ev.zero_shot) and rec["zero_shot"] is None:
-            t0 = time.perf_counter()
-            evals = _evaluate(run, "zero-shot", list(range(len(run.tasks))),
-                              run.method.eval_model(run.stages[0]))
-            rec["zero_shot"] = [evals[j].score for j in range(len(run.tasks))]
-            for j, ev_j in evals.items():  # stage -1: the zero-shot row, before any training
-                rec["task_metrics"].append({"stage": results.ZERO_SHOT_STAGE, "task": run.tasks[j].name, **ev_j.details})
-                run.predictions.extend({"stage": results.ZERO_SHOT_STAGE, **row} for row in ev_j.rows)
-            rec["timing"]["zero_shot_s"] = round(time.perf_counter() - t0, 2)
-            _write(run)
-        for stage in run.stages[rec["stages_done"]:]:
-            _run_stage(run, stage)
-        rec["summary"] = summarise(rec["matrix"], rec["zero_shot"])
-        if run.backend.is_main:
-            rec["intervals"] = run_intervals(rec, run.predictions)
-        rec["status"] = "complete"
-        _write(run)
-        if not keep_checkpoint and run.backend.is_main:
-            for name in (results.CHECKPOINT_DIR, f"{results.CHECKPOINT_DIR}.old"):
-                shutil.rmtree(run.run_dir / name, ignore_errors=True)
-        run.backend.barrier()  # no rank returns before rank 0 has written the run
-    except BaseException as exc:
-        rec["status"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-        rec["error"] = f"{type(exc).__name__}: {exc}"
+    with signals.interrupt_on_signals() as stop:
         try:
+            ev = run.config.eval
+            if (ev.eval_all or ev.zero_shot) and rec["zero_shot"] is None:
+                t0 = time.perf_counter()
+                evals = _evaluate(run, "zero-shot", list(range(len(run.tasks))),
+                                  run.method.eval_model(run.stages[0]))
+                rec["zero_shot"] = [evals[j].score for j in range(len(run.tasks))]
+                for j, ev_j in evals.items():  # stage -1: the zero-shot row, before any training
+                    rec["task_metrics"].append({"stage": results.ZERO_SHOT_STAGE, "task": run.tasks[j].name, **ev_j.details})
+                    run.predictions.extend({"stage": results.ZERO_SHOT_STAGE, **row} for row in ev_j.rows)
+                rec["timing"]["zero_shot_s"] = round(time.perf_counter() - t0, 2)
+                _write(run)
+            for stage in run.stages[rec["stages_done"]:]:
+                _run_stage(run, stage)
+            rec["summary"] = summarise(rec["matrix"], rec["zero_shot"])
+            if run.backend.is_main:
+                rec["intervals"] = run_intervals(rec, run.predictions)
+            rec["status"] = "complete"
             _write(run)
-        except UserError as again:  # e.g. the disk is still full: the record keeps its last state
-            log.warning("%s", again)
-        raise
-    finally:
-        if run.lock is not None:
-            run.lock.close()
-            run.lock = None
-    return rec
+            if not keep_checkpoint and run.backend.is_main:
+                for name in (results.CHECKPOINT_DIR, f"{results.CHECKPOINT_DIR}.old"):
+                    shutil.rmtree(run.run_dir / name, ignore_errors=True)
+            run.backend.barrier()  # no rank returns before rank 0 has written the run
+        except BaseException as exc:
+            rec["status"] = "interrupted" if isinstance(exc, KeyboardInterrupt) or stop.fired else "failed"
+            rec["error"] = f"{type(exc).__name__}: {exc}"
+            try:
+                _write(run)
+            except UserError as again:  # e.g. the disk is still full: the record keeps its last state
+                log.warning("%s", again)
+            if stop.fired and not isinstance(exc, KeyboardInterrupt):
+                raise KeyboardInterrupt(stop.names) from exc
+            raise
+        finally:
+            if run.lock is not None:
+                run.lock.close()
+                run.lock = None
+        return rec
 
 
 def _train_phase(run: Run, stage: Stage, phase: Phase, desc: str, log_rows: list[dict],

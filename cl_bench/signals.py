@@ -1,0 +1,146 @@
+"""Stopping a run on a signal, with one consistent record.
+
+`kill`, `timeout`, schedulers and DeepSpeed's launcher stop a process with SIGTERM;
+a terminal sends SIGINT. Both must end a run the same way: the stage in progress is
+dropped, the record says "interrupted", and no process of the run outlives the
+command that started it.
+
+- `interrupt_on_signals()`, around a run in the process that trains (one process,
+  or each rank): the first SIGINT or SIGTERM raises KeyboardInterrupt; later ones
+  are ignored, so that a second signal (DeepSpeed's launcher sends SIGTERM to ranks
+  that already have SIGINT) cannot cut the write of the record.
+- `wait_forwarding(proc)`, in `cl-bench run --nproc N`, which started the launcher
+  in its own process group: a SIGINT or SIGTERM is forwarded to that whole group
+  (launcher and ranks), then this waits until every process of it has exited, so
+  the record is final when the command returns. A second signal, or `grace`
+  seconds, kills the group.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+@dataclass
+class Stop:
+    """The signals received while a run was guarded (empty: none)."""
+    signals: list[int] = field(default_factory=list)
+
+    @property
+    def fired(self) -> bool:
+        return bool(self.signals)
+
+    @property
+    def names(self) -> str:
+        return ", ".join(signal.Signals(s).name for s in self.signals)
+
+
+@contextlib.contextmanager
+def interrupt_on_signals() -> Iterator[Stop]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt once (see the module docstring);
+    outside the main thread, where Python cannot install handlers, nothing changes."""
+    stop = Stop()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handler(signum, frame):
+        first = not stop.fired
+        stop.signals.append(signum)
+        if first:
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield stop
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def start_group(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start `argv` as the leader of a new process group; this process becomes the
+    reaper of its orphans (Linux), so that `wait_forwarding` sees every rank end even
+    after the launcher has exited."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    return subprocess.Popen(argv, env=env, start_new_session=True)
+
+
+def wait_forwarding(proc: subprocess.Popen, grace: float = 60.0) -> tuple[int, Stop]:
+    """Wait for `proc` (started by `start_group`), forwarding SIGINT and SIGTERM to its
+    process group as SIGTERM (the second as SIGKILL); returns its exit code and the
+    signals received. After a signal, also waits (up to `grace` seconds, then kills the
+    group) until no process of the group is left."""
+    stop = Stop()
+
+    def forward(signum, frame):
+        stop.signals.append(signum)
+        _signal_group(proc.pid, signal.SIGTERM if len(stop.signals) == 1 else signal.SIGKILL)
+
+    previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
+    try:
+        code = proc.wait()
+        if stop.fired:
+            _reap_group(proc.pid, grace)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return code, stop
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` is still running; on Linux, zombies (which
+    only wait to be reaped) do not count."""
+    if not os.path.isdir("/proc"):
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    state, _, group = f.read().rsplit(")", 1)[1].split()[:3]  # after "pid (comm)"
+            except (OSError, ValueError):
+                continue
+            if int(group) == pgid and state != "Z":
+                return True
+    return False
+
+
+def _reap_orphans() -> None:
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:  # ranks re-parented to this process
+            pass
+
+
+def _reap_group(pgid: int, grace: float) -> None:
+    """Wait until group `pgid` is gone; after `grace` seconds kill it, and give up
+    5 seconds later."""
+    deadline, killed = time.monotonic() + grace, False
+    while _group_alive(pgid):
+        _reap_orphans()
+        if time.monotonic() > deadline:
+            if killed:
+                break
+            _signal_group(pgid, signal.SIGKILL)
+            deadline, killed = time.monotonic() + 5, True
+        time.sleep(0.1)
+    _reap_orphans()

@@ -1,0 +1,119 @@
+"""Soak check of interrupt and resume (not in CI; a few minutes a run on 2 cores).
+
+Starts `--runs` smoke runs (tiny-llama on the TRACE data, methods and seeds in
+turn), stops each with SIGINT or SIGKILL at a random moment of its run, resumes
+it with `cl-bench run --resume`, and compares the result with an uninterrupted
+twin of the same configuration: predictions.jsonl and metrics.jsonl byte for
+byte, and the record's results (matrix, zero-shot row, summary, intervals, task
+metrics, parameter rows). Writes a JSON report (its command line inside) and
+prints how many runs resumed to identical results and which folders could not be
+resumed. The goal is all of them.
+
+    python scripts/soak_interrupts.py --runs 50 --report results/soak/interrupts.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULT_KEYS = ("matrix", "zero_shot", "summary", "intervals", "task_metrics", "params", "status")
+SAME_FILES = ("predictions.jsonl", "metrics.jsonl")
+SIGNALS = {"SIGINT": signal.SIGINT, "SIGKILL": signal.SIGKILL}
+
+
+def cl_bench(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "cl_bench.cli", *argv]
+
+
+def run_args(method: str, seed: int, out: Path, run_id: str, epochs: int) -> list[str]:
+    return ["run", "--profile", "smoke", "--method", method, "--seed", str(seed), "--output-dir", str(out),
+            "--run-id", run_id, "--no-progress", "--set", f"train.epochs={epochs}"]
+
+
+def same_results(a: Path, b: Path) -> list[str]:
+    """What differs between two finished run folders (empty: identical results)."""
+    diffs = [name for name in SAME_FILES if (a / name).read_bytes() != (b / name).read_bytes()]
+    ra, rb = (json.loads((d / "run.json").read_text()) for d in (a, b))
+    return diffs + [f"run.json:{key}" for key in RESULT_KEYS if ra.get(key) != rb.get(key)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=50)
+    p.add_argument("--methods", default="seqft,lora,replay,upcycle,ewc")
+    p.add_argument("--seeds", default="1,2")
+    p.add_argument("--epochs", type=int, default=3, help="epochs a task (longer stages: more places to land)")
+    p.add_argument("--out", type=Path, default=Path("soak-runs"))
+    p.add_argument("--seed", type=int, default=0, help="draws of the signals and their moments")
+    p.add_argument("--report", type=Path, default=None)
+    args = p.parse_args(argv)
+    rng = random.Random(args.seed)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    configs = [(m, int(s)) for s in args.seeds.split(",") for m in args.methods.split(",")]
+
+    twins: dict[tuple[str, int], tuple[Path, float]] = {}
+    for method, seed in configs:
+        t0 = time.monotonic()
+        subprocess.run(cl_bench(*run_args(method, seed, args.out / "twins", f"{method}-{seed}", args.epochs)),
+                       env=env, check=True, capture_output=True)
+        twins[(method, seed)] = (args.out / "twins" / f"{method}-{seed}", time.monotonic() - t0)
+        print(f"twin {method} seed {seed}: {twins[(method, seed)][1]:.1f}s", flush=True)
+
+    rows = []
+    for i in range(args.runs):
+        method, seed = configs[i % len(configs)]
+        twin, seconds = twins[(method, seed)]
+        run_id, sig_name = f"run-{i:02d}", rng.choice(sorted(SIGNALS))
+        at = rng.uniform(0.5, seconds)
+        proc = subprocess.Popen(cl_bench(*run_args(method, seed, args.out / "soak", run_id, args.epochs)),
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            proc.wait(timeout=at)
+            landed = False  # it finished first
+        except subprocess.TimeoutExpired:
+            proc.send_signal(SIGNALS[sig_name])
+            proc.wait()
+            landed = True
+        run_dir = args.out / "soak" / run_id
+        before = json.loads((run_dir / "run.json").read_text()).get("status") if (run_dir / "run.json").exists() \
+            else None
+        # no record yet (stopped while loading): the same command starts it again in its folder
+        again = ("run", "--resume", str(run_dir), "--no-progress") if before is not None else \
+            run_args(method, seed, args.out / "soak", run_id, args.epochs)
+        resumed = subprocess.run(cl_bench(*again), env=env, capture_output=True, text=True)
+        if resumed.returncode != 0 and before == "complete":
+            resumed_ok, why = True, "finished before the signal"
+        else:
+            resumed_ok, why = resumed.returncode == 0, (resumed.stderr.strip().splitlines() or [""])[-1]
+        diffs = same_results(twin, run_dir) if resumed_ok else ["not resumed"]
+        rows.append({"run": run_id, "method": method, "seed": seed, "signal": sig_name, "at_s": round(at, 2),
+                     "landed": landed, "status_before": before, "restarted": before is None, "resume_exit": resumed.returncode,
+                     "resumable": resumed_ok, "identical": not diffs, "differs": diffs,
+                     "note": why if not resumed_ok or resumed.returncode else ""})
+        print(f"{run_id} {method:8s} seed {seed} {sig_name:7s} at {at:5.1f}s, status {before}: "
+              f"{'identical' if not diffs else 'DIFFERS ' + ', '.join(diffs)}", flush=True)
+
+    identical = sum(r["identical"] for r in rows)
+    unresumable = [r["run"] for r in rows if not r["resumable"]]
+    report = {"command": shlex.join(["python", "scripts/soak_interrupts.py", *(argv or sys.argv[1:])]),
+              "runs": len(rows), "identical": identical, "unresumable": unresumable,
+              "by_signal": {s: sum(r["signal"] == s and r["landed"] for r in rows) for s in SIGNALS},
+              "rows": rows}
+    print(f"{identical}/{len(rows)} resumed to results identical to their twins; "
+          f"unresumable folders: {', '.join(unresumable) or 'none'}")
+    if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(json.dumps(report, indent=1) + "\n")
+    return 0 if identical == len(rows) and not unresumable else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

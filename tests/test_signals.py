@@ -1,0 +1,165 @@
+"""SIGINT and SIGTERM stop a run with one consistent record (cl_bench/signals.py).
+
+- in the process that trains: the first signal raises KeyboardInterrupt, later ones
+  are ignored (mutation caught: a handler that raises every time, or none at all);
+- `cl-bench run` stopped with SIGTERM (what kill and timeout send) records
+  "interrupted" and resumes to the uninterrupted run's results;
+- `wait_forwarding`: the launcher's whole group gets the signal and the command
+  returns only when its last process has exited (mutations caught: signal only the
+  launcher; return when the launcher returns);
+- `cl-bench run --backend deepspeed --nproc 2` stopped with SIGTERM: no rank outlives
+  the command, the record says "interrupted" and stays so, and resume finishes it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from cl_bench import results, signals
+from conftest import make_trace, only_run, run_cli, smoke_args
+from test_deepspeed import assert_same_run, deepspeed_args
+
+ROOT = Path(__file__).resolve().parents[1]
+LONG = ["--set", "train.epochs=20"]  # stages of a few seconds, so a signal lands inside one
+
+
+def test_first_signal_interrupts_and_later_ones_are_ignored():
+    before = signal.getsignal(signal.SIGTERM)
+    with signals.interrupt_on_signals() as stop:
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs at once; never reached
+        os.kill(os.getpid(), signal.SIGINT)  # e.g. DeepSpeed's launcher, after the terminal's Ctrl-C
+        time.sleep(0.01)  # the record is being written: nothing may cut it
+    assert stop.signals == [signal.SIGTERM, signal.SIGINT] and stop.names == "SIGTERM, SIGINT"
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def _env() -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}",
+           "CL_BENCH_DIST_TIMEOUT_MIN": "3"}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def _start(argv: list) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "cl_bench.cli", *map(str, argv)], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _record(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _signal_in_stage_2(proc: subprocess.Popen, run_dir: Path, sig: int) -> tuple[int, str]:
+    """Send `sig` to `proc` once stage 1 is saved (record and checkpoint); its exit
+    code and output."""
+    deadline = time.monotonic() + 300
+    while not results.has_checkpoint(run_dir):
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=120)
+    return proc.returncode, out
+
+
+def test_sigterm_records_interrupted_and_resume_finishes(trace_dir, tmp_path):
+    run_dir = tmp_path / "runs" / "r"
+    code, out = _signal_in_stage_2(_start(smoke_args(trace_dir, tmp_path / "runs", "--run-id", "r", *LONG)),
+                                   run_dir, signal.SIGTERM)
+    assert code == 130, out[-3000:]
+    record = _record(run_dir)
+    assert record["status"] == "interrupted" and "SIGTERM" in record["error"]
+    assert record["stages_done"] in (1, 2)
+    assert "Traceback" not in out and f"continue with: cl-bench run --resume {run_dir}" in out
+    assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
+    assert run_cli(*smoke_args(trace_dir, tmp_path / "once", *LONG)) == 0
+    assert_same_run(only_run(tmp_path / "once"), run_dir)
+
+
+FAKE_LAUNCHER = """
+import subprocess, sys
+subprocess.Popen([sys.executable, sys.argv[1], sys.argv[2]]).wait()  # dies on SIGTERM, as DeepSpeed's runner
+"""
+FAKE_RANK = """
+import signal, sys, time
+from pathlib import Path
+stop = []
+signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+Path(sys.argv[1], "ready").touch()
+while not stop:
+    time.sleep(0.01)
+time.sleep(1.5)  # writes its record
+Path(sys.argv[1], "done").touch()
+"""
+DRIVER = """
+import json, os, signal, sys, threading, time
+from pathlib import Path
+from cl_bench import results, signals
+d = Path(sys.argv[1])
+proc = signals.start_group([sys.executable, str(d / "launcher.py"), str(d / "rank.py"), str(d)], dict(os.environ))
+while not (d / "ready").exists():
+    time.sleep(0.01)
+threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGTERM)).start()
+t0 = time.monotonic()
+code, stop = signals.wait_forwarding(proc, grace=30)
+print(json.dumps({"done": (d / "done").exists(), "alive": signals._group_alive(proc.pid), "fired": stop.fired,
+                  "waited_s": time.monotonic() - t0}))
+"""
+
+
+def test_the_launchers_group_gets_the_signal_and_is_waited_for(tmp_path):
+    for name, text in (("launcher.py", FAKE_LAUNCHER), ("rank.py", FAKE_RANK), ("driver.py", DRIVER)):
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    done = subprocess.run([sys.executable, str(tmp_path / "driver.py"), str(tmp_path)], env=_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report.pop("waited_s") < 30  # waited for the rank, not for the grace period
+    assert report == {"done": True, "alive": False, "fired": True}
+
+
+def _processes_naming(text: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                    if stat[0] != "Z":
+                        pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+def test_sigterm_to_a_deepspeed_launch_stops_every_rank_with_one_record(tmp_path):
+    trace = make_trace(tmp_path / "trace")
+    out = tmp_path / "ds-runs"
+    run_dir = out / "r"
+    argv = smoke_args(trace, out, "--nproc", "2", "--run-id", "r", *LONG, *deepspeed_args(tmp_path, 2))
+    code, text = _signal_in_stage_2(_start(argv), run_dir, signal.SIGTERM)
+    assert code == 130, text[-3000:]
+    assert _processes_naming(str(out)) == []  # no launcher, no rank left
+    record = _record(run_dir)
+    assert record["status"] == "interrupted" and record["stages_done"] in (1, 2), text[-3000:]
+    time.sleep(2)
+    assert _record(run_dir) == record  # nothing wrote "complete" afterwards
+    resumed = subprocess.run([sys.executable, "-m", "cl_bench.cli", "run", "--resume", str(run_dir),
+                              "--nproc", "2", "--no-progress"], env=_env(), capture_output=True, text=True,
+                             timeout=400)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert _record(run_dir)["status"] == "complete"
