@@ -83,7 +83,7 @@ def _overrides(args) -> dict:
 
 def cmd_run(args) -> int:
     from cl_bench import config as cfg
-    from cl_bench import sequencer
+    from cl_bench import sequencer, signals
     from cl_bench.report import format_matrix
 
     config = None
@@ -98,13 +98,14 @@ def cmd_run(args) -> int:
                             f"(to change them, start a new run)")
     if args.nproc is not None and _must_launch(args, config):
         return _launch(args)  # this process starts the ranks; each runs this command
-    run = sequencer.prepare(config, args.resume, progress=not args.no_progress, command=args.command_line)
-    try:
-        record = sequencer.execute(run, keep_checkpoint=args.keep_checkpoint)
-    except KeyboardInterrupt:
-        if run.backend.is_main:
-            print(f"\n{_interrupted(run)}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    with signals.interrupt_on_signals() as stop:  # from here a signal stops the run as an interrupt
+        run = sequencer.prepare(config, args.resume, progress=not args.no_progress, command=args.command_line)
+        try:
+            record = sequencer.execute(run, keep_checkpoint=args.keep_checkpoint, stop=stop)
+        except KeyboardInterrupt:
+            if run.backend.is_main:
+                print(f"\n{_interrupted(run)}", file=sys.stderr)
+            return EXIT_INTERRUPTED
     if run.backend.is_main:
         print(format_matrix(record, record.get("intervals")))
         print(f"\nrun record: {run.run_dir / 'run.json'}")
@@ -309,24 +310,11 @@ def cmd_params(args) -> int:
 
 
 def cmd_perf(args) -> int:
-    if args.what == "moe":
-        from cl_bench.perf_moe import moe_benchmark
+    from cl_bench import perf, registry
 
-        result = moe_benchmark(repeats=args.repeats)
-    elif args.what == "precision":
-        from cl_bench.perf_precision import precision_benchmark
-
-        result = precision_benchmark(args)
-    elif args.what == "upcycle-gap":
-        from cl_bench.perf_moe import upcycle_gap
-
-        args.task = args.task or "paper6"
-        result = upcycle_gap(args)
-    else:
-        args.task = args.task or "NumGLUE-ds"
-        from cl_bench import perf
-
-        result = perf.run(args.what, args)
+    args.method = args.method or registry.baseline()
+    registry.get(args.method)  # an unknown name fails here, in one line
+    result = perf.run(args.what, args)
     print(json.dumps(result, indent=2))
     if args.output:
         from cl_bench.results import write_json
@@ -397,6 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("perf", help="measure generation speed-up, harness overhead, MoE dispatch, "
                                     "the loss upcycling adds before training, deepspeed's per-step cost, or fp32 against bf16")
     p.add_argument("what", choices=["generation", "harness", "moe", "upcycle-gap", "deepspeed", "precision"])
+    p.add_argument("--method", help="harness, deepspeed: the method whose stage is timed (default: the baseline)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--task", help="task(s) or order; default NumGLUE-ds (upcycle-gap: paper6)")
     p.add_argument("--n", type=int, default=32, help="prompts (generation) or examples (harness)")

@@ -99,7 +99,7 @@ class DeepSpeedConfig:
 
 @dataclass
 class RunConfig:
-    method: str = "seqft"
+    method: str = ""  # "": the baseline method (registry.baseline(): full fine-tuning)
     method_args: dict[str, Any] = field(default_factory=dict)
     model: str = "smollm2-135m"
     profile: str = "cpu"
@@ -353,7 +353,12 @@ def build(raw: dict[str, Any], where: str) -> RunConfig:
             kwargs[key] = _SECTIONS[key](**section)
         else:
             kwargs[key] = coerce(value, top[key], key)
-    return RunConfig(**kwargs)
+    config = RunConfig(**kwargs)
+    if not config.method:
+        from cl_bench import registry
+
+        config.method = registry.baseline()
+    return config
 
 
 def load_yaml(path: Path) -> dict[str, Any]:

@@ -106,6 +106,15 @@ def broken() -> list[Broken]:
     return [Broken(source, error) for source, error in sorted(_BROKEN.items())]
 
 
+def baseline() -> str:
+    """The name of the method that declares `Method.baseline` (the default method of
+    a run, the row the leaderboard marks the others against)."""
+    found = sorted(name for name, cls in available().items() if cls.baseline)
+    if len(found) != 1:
+        raise UserError(f"exactly one method must declare baseline = True; found {found or 'none'}")
+    return found[0]
+
+
 def get(name: str) -> type:
     """The Method class registered as `name`; an unknown name lists close matches."""
     if name in _METHODS:

@@ -388,14 +388,16 @@ def _cannot_write(run: Run, exc: Exception) -> UserError:
                      f"kept: free space or fix permissions, then cl-bench run --resume {run.run_dir}")
 
 
-def execute(run: Run, keep_checkpoint: bool = False) -> dict[str, Any]:
+def execute(run: Run, keep_checkpoint: bool = False, stop: signals.Stop | None = None) -> dict[str, Any]:
     """Run the remaining stages; returns the final record. SIGINT or SIGTERM stops it
     as an interrupt (signals.interrupt_on_signals): the stage in progress is dropped
     and the record says "interrupted", also where the signal surfaced as another
-    error (a collective whose peer rank had already stopped)."""
+    error (a collective whose peer rank had already stopped) or was swallowed (`stop`:
+    the caller's, which may have fired while the run was being prepared)."""
     rec = run.record
-    with signals.interrupt_on_signals() as stop:
+    with signals.interrupt_on_signals(stop) as stop:
         try:
+            stop.check()
             ev = run.config.eval
             if (ev.eval_all or ev.zero_shot) and rec["zero_shot"] is None:
                 t0 = time.perf_counter()
@@ -408,7 +410,9 @@ def execute(run: Run, keep_checkpoint: bool = False) -> dict[str, Any]:
                 rec["timing"]["zero_shot_s"] = round(time.perf_counter() - t0, 2)
                 _write(run)
             for stage in run.stages[rec["stages_done"]:]:
+                stop.check()
                 _run_stage(run, stage)
+            stop.check()
             rec["summary"] = summarise(rec["matrix"], rec["zero_shot"])
             if run.backend.is_main:
                 rec["intervals"] = run_intervals(rec, run.predictions)

@@ -44,12 +44,19 @@ class Stop:
     def names(self) -> str:
         return ", ".join(signal.Signals(s).name for s in self.signals)
 
+    def check(self) -> None:
+        """Raise the interrupt now if a signal came and its KeyboardInterrupt was
+        swallowed (transformers' lazy imports catch it while a model loads)."""
+        if self.fired:
+            raise KeyboardInterrupt(self.names)
+
 
 @contextlib.contextmanager
-def interrupt_on_signals() -> Iterator[Stop]:
-    """SIGINT and SIGTERM raise KeyboardInterrupt once (see the module docstring);
+def interrupt_on_signals(stop: Stop | None = None) -> Iterator[Stop]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt once (see the module docstring),
+    recorded in `stop` (a new one by default; pass the caller's to share it);
     outside the main thread, where Python cannot install handlers, nothing changes."""
-    stop = Stop()
+    stop = Stop() if stop is None else stop
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return

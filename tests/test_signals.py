@@ -163,3 +163,25 @@ def test_sigterm_to_a_deepspeed_launch_stops_every_rank_with_one_record(tmp_path
                              timeout=400)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert _record(run_dir)["status"] == "complete"
+
+
+def test_a_signal_swallowed_while_the_model_loads_still_interrupts(trace_dir, tmp_path, monkeypatch):
+    """transformers' lazy imports swallow a KeyboardInterrupt raised inside them; the
+    run must stop anyway, before its first stage (mutation caught: no check of the
+    signal after preparing)."""
+    from cl_bench import sequencer
+
+    real = sequencer.load
+
+    def load_swallowing(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # never reached: the handler raises at once
+        except KeyboardInterrupt:
+            pass  # as import_utils does
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sequencer, "load", load_swallowing)
+    assert run_cli(*smoke_args(trace_dir, tmp_path / "runs", "--run-id", "r")) == 130
+    record = _record(tmp_path / "runs" / "r")
+    assert record["status"] == "interrupted" and record["stages_done"] == 0 and "SIGINT" in record["error"]

@@ -1,15 +1,16 @@
-"""Measurements behind the README's performance figures.
+"""The harness's own costs, on the `cpu` profile's settings.
 
 generation: batched greedy decoding (left padding, KV cache) against the same
     prompts decoded one at a time; reports both times, the speed-up and how many
     outputs are identical.
-harness:    a SeqFT training stage through cl-bench's backend (method hooks,
-    token-weighted accumulation, clipping, a progress bar and the step log)
-    against a bare PyTorch loop over the same batches; reports the time ratio.
-deepspeed:  the same SeqFT stage through the deepspeed backend (1 rank, ZeRO-2,
-    this process) against the torch backend: the median time of one optimiser
-    step on each (from the step log's timestamps) and their ratio, and apart
-    from the steps the engine's set-up and tear-down per phase.
+harness:    a training stage of `--method` (default: the baseline method, full
+    fine-tuning) through cl-bench's backend (method hooks, token-weighted
+    accumulation, clipping, a progress bar and the step log) against a bare
+    PyTorch loop over the same batches and trainable weights; the time ratio.
+deepspeed:  the same stage through the deepspeed backend (1 rank, ZeRO-2, this
+    process) against the torch backend: the median time of one optimiser step on
+    each (from the step log's timestamps) and their ratio, and apart from the
+    steps the engine's set-up and tear-down per phase.
 Repeats alternate which side runs first and report medians.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from cl_bench import registry
 from cl_bench.backends.torch_backend import TorchBackend
 from cl_bench.benchmarks.trace import load_task, resolve_data_dir
 from cl_bench.config import PROFILES, build
@@ -66,9 +68,13 @@ def generation(args) -> dict:
             "identical_outputs": same, "torch_threads": torch.get_num_threads()}
 
 
-def harness(args) -> dict:
-    from cl_bench import registry
+def _method(args, config, device, tokenizer):
+    """`--method` with its own default arguments."""
+    cls = registry.get(args.method)
+    return cls(cls.parse_args({}), MethodContext(config, device, tokenizer))
 
+
+def harness(args) -> dict:
     config, loaded, encoder, tasks = _setup(args)
     model, pad = loaded.model, loaded.tokenizer.pad_token_id
     rows = list(tokenize_train(encoder, tasks[0].train, None))
@@ -76,8 +82,7 @@ def harness(args) -> dict:
     t = config.train
     batches = list(steps(rows, epoch_order(len(rows), config.seed, stage.label, 0), t.batch_size,
                          t.micro_batch_size, pad))
-    seqft = registry.get("seqft")
-    method = seqft(seqft.parse_args({}), MethodContext(config, torch.device("cpu"), loaded.tokenizer))
+    method = _method(args, config, torch.device("cpu"), loaded.tokenizer)
     method.setup(model)
     backend = TorchBackend(config, torch.device("cpu"))
 
@@ -114,14 +119,14 @@ def harness(args) -> dict:
             times["harness"].append(through_harness())
             times["bare"].append(bare_loop())
     ratios = [h / b for h, b in zip(times["harness"], times["bare"])]
-    return {"what": "harness", "model": args.model, "task": tasks[0].name, "examples": len(rows),
+    return {"what": "harness", "model": args.model, "method": args.method,
+            "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad), "task": tasks[0].name, "examples": len(rows),
             "steps": len(batches), "batch_size": t.batch_size, "micro_batch_size": t.micro_batch_size,
             "harness_s": times["harness"], "bare_s": times["bare"], "ratios": ratios,
             "median_ratio": statistics.median(ratios), "torch_threads": torch.get_num_threads()}
 
 
 def deepspeed(args) -> dict:
-    from cl_bench import registry
     from cl_bench.backends.deepspeed_backend import DeepSpeedBackend
 
     config, loaded, encoder, tasks = _setup(args)
@@ -133,8 +138,7 @@ def deepspeed(args) -> dict:
     model, pad = loaded.model.to(ds.device), loaded.tokenizer.pad_token_id
     rows = list(tokenize_train(encoder, tasks[0].train, None))
     stage = Stage(0, tasks[:1], tasks[0].name)
-    seqft = registry.get("seqft")
-    method = seqft(seqft.parse_args({}), MethodContext(config, ds.device, loaded.tokenizer))
+    method = _method(args, config, ds.device, loaded.tokenizer)
     method.setup(model)
     backends = {"torch": TorchBackend(config, ds.device), "deepspeed": ds}
 
@@ -158,13 +162,9 @@ def deepspeed(args) -> dict:
             for key, value in timed(name).items():
                 out[name].setdefault(key, []).append(value)
     median = {n: {k: statistics.median(v) for k, v in runs.items()} for n, runs in out.items()}
-    return {"what": "deepspeed", "model": args.model, "task": tasks[0].name, "examples": len(rows),
+    return {"what": "deepspeed", "model": args.model, "method": args.method, "task": tasks[0].name, "examples": len(rows),
             "steps": -(-len(rows) // config.train.batch_size), "batch_size": config.train.batch_size,
             "micro_batch_size": config.train.micro_batch_size, "zero": 2, "world_size": 1,
             "bf16": ds.bf16, "device": str(ds.device), "runs": out, "median": median,
             "step_ratio": median["deepspeed"]["step_s"] / median["torch"]["step_s"],
             "torch_threads": torch.get_num_threads(), "deepspeed_version": ds.ds.__version__}
-
-
-def run(what: str, args) -> dict:
-    return {"generation": generation, "harness": harness, "deepspeed": deepspeed}[what](args)

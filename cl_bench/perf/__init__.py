@@ -1,0 +1,31 @@
+"""`cl-bench perf WHAT`: the measurements behind the README's performance figures.
+
+harness.py   generation (batched against one-at-a-time decoding), harness (a
+             training stage of `--method` through the backend against a bare
+             loop), deepspeed (one rank against the torch backend)
+moe.py       moe (dispatch cost against the number of experts), upcycle-gap (the
+             loss upcycling adds before any training)
+precision.py precision (fp32 against bf16: training and decoding speed, agreement)
+
+Each returns a JSON-ready dict; repeats alternate the sides and report medians.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from cl_bench.perf import harness, moe, precision
+
+MEASUREMENTS: dict[str, Callable[[Any], dict]] = {
+    "generation": harness.generation,
+    "harness": harness.harness,
+    "deepspeed": harness.deepspeed,
+    "moe": lambda args: moe.moe_benchmark(repeats=args.repeats),
+    "upcycle-gap": moe.upcycle_gap,
+    "precision": precision.precision_benchmark,
+}
+DEFAULT_TASK = {"upcycle-gap": "paper6"}  # the others: one task, NumGLUE-ds
+
+
+def run(what: str, args) -> dict:
+    args.task = args.task or DEFAULT_TASK.get(what, "NumGLUE-ds")
+    return MEASUREMENTS[what](args)
