@@ -22,4 +22,4 @@ main: install
 	$(VENV)/bin/cl-bench run --profile cpu --method seqft --output-dir runs
 
 test: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --durations=15

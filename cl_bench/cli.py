@@ -82,8 +82,18 @@ def _overrides(args) -> dict:
 
 
 def cmd_run(args) -> int:
+    from cl_bench import signals
+
+    # First, before the imports of torch and transformers (seconds, and transformers'
+    # lazy imports swallow a KeyboardInterrupt): from here a signal stops the run as
+    # an interrupt, and one that was swallowed is still seen (stop.check).
+    with signals.interrupt_on_signals() as stop:
+        return _run(args, stop)
+
+
+def _run(args, stop) -> int:
     from cl_bench import config as cfg
-    from cl_bench import sequencer, signals
+    from cl_bench import sequencer
     from cl_bench.report import format_matrix
 
     config = None
@@ -98,14 +108,14 @@ def cmd_run(args) -> int:
                             f"(to change them, start a new run)")
     if args.nproc is not None and _must_launch(args, config):
         return _launch(args)  # this process starts the ranks; each runs this command
-    with signals.interrupt_on_signals() as stop:  # from here a signal stops the run as an interrupt
-        run = sequencer.prepare(config, args.resume, progress=not args.no_progress, command=args.command_line)
-        try:
-            record = sequencer.execute(run, keep_checkpoint=args.keep_checkpoint, stop=stop)
-        except KeyboardInterrupt:
-            if run.backend.is_main:
-                print(f"\n{_interrupted(run)}", file=sys.stderr)
-            return EXIT_INTERRUPTED
+    stop.check()
+    run = sequencer.prepare(config, args.resume, progress=not args.no_progress, command=args.command_line)
+    try:
+        record = sequencer.execute(run, keep_checkpoint=args.keep_checkpoint, stop=stop)
+    except KeyboardInterrupt:
+        if run.backend.is_main:
+            print(f"\n{_interrupted(run)}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if run.backend.is_main:
         print(format_matrix(record, record.get("intervals")))
         print(f"\nrun record: {run.run_dir / 'run.json'}")
@@ -189,6 +199,7 @@ def cmd_compare(args) -> int:
 
     result = compare(args.runs, args.resamples)
     print(json.dumps(result, indent=2) if args.format == "json" else format_comparison(result))
+    _save(args, result)
     return 0
 
 
@@ -237,7 +248,7 @@ def cmd_leaderboard(args) -> int:
 
 
 def cmd_analyze(args) -> int:
-    from cl_bench.analyze import analyze
+    from cl_bench.analysis.plots import analyze
 
     for path in analyze(args.run_dir, args.against, args.from_stage, args.calibrate_stage):
         print(path)
@@ -316,12 +327,17 @@ def cmd_perf(args) -> int:
     registry.get(args.method)  # an unknown name fails here, in one line
     result = perf.run(args.what, args)
     print(json.dumps(result, indent=2))
+    _save(args, result)
+    return 0
+
+
+def _save(args, result: dict) -> None:
+    """--output: the result as JSON, its command line inside."""
     if args.output:
         from cl_bench.results import write_json
 
         args.output.parent.mkdir(parents=True, exist_ok=True)
         write_json(args.output, {"command": args.command_line, **result})
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -340,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", type=Path, nargs="+", metavar="RUN_DIR", help="the baseline first, then the others")
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples (default 1000)")
+    p.add_argument("--output", type=Path, help="also write the result as JSON here")
     p = sub.add_parser("list", help="list methods with one-line descriptions")
     p.add_argument("--verbose", "-v", action="store_true", help="also show each method's arguments")
     p = sub.add_parser("leaderboard", help="tables from run records")

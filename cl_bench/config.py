@@ -68,7 +68,7 @@ class EvalConfig:
     #                          for FWT with the zero-shot row)
     precision: str = "fp32"  # fp32 | bf16 | auto, as train.precision, for decoding
     cka_probe: int = 0  # test examples per task whose per-layer CKA since the task was learned is
-    #                     recorded after every stage (cl_bench/probes.py; `cl-bench analyze`); 0: off
+    #                     recorded after every stage (cl_bench/analysis/probes.py; `cl-bench analyze`); 0: off
     cka_probe_tokens: int = 512  # at most this many of their tokens
     sharpness: int = 0  # test examples of the last task for expert sharpness after the last stage; 0: off
     sharpness_iters: int = 10  # Lanczos steps (Hessian-vector products) per expert

@@ -26,11 +26,10 @@ from cl_bench.compare import differences
 from cl_bench.errors import UserError
 from cl_bench.intervals import ItemTable, point_summaries, replicates
 from cl_bench.metrics import bootstrap
-from cl_bench.results import PREDICTIONS_FILE, SCHEMA_VERSION, atomic_write_text, read_jsonl
+from cl_bench.results import PREDICTIONS_FILE, atomic_write_text, read_jsonl, read_record
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_SCHEMA_VERSION = SCHEMA_VERSION
 FORMATS = ("md", "csv", "latex")
 MISSING = "–"  # en dash, for md and latex; csv leaves the cell empty
 
@@ -79,7 +78,7 @@ def load_runs(runs_dir: Path, exclude: list[str] = (), include: list[str] = ()) 
                         f"right folder")
     runs, skipped = [], []
     for path in paths:
-        run = _read_record(path)
+        run = read_record(path.parent)
         if run.get("status") != "complete":
             log.warning("skipping %s: status is %r, not 'complete'", path, run.get("status"))
             skipped.append(str(path))
@@ -100,24 +99,6 @@ def _matches(folder: Path, globs) -> bool:
 
     names = [folder.as_posix()] + [q.as_posix() for q in folder.parents if q != Path(".")]
     return any(fnmatch.fnmatch(name, g) for name in names for g in globs)
-
-
-def _read_record(path: Path) -> dict:
-    try:
-        run = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: not valid JSON ({exc}); fix the file or delete its run folder") from exc
-    if not isinstance(run, dict) or "schema_version" not in run:
-        raise UserError(f"{path}: no schema_version, so not a cl-bench run record; move it out of the runs folder")
-    version = run["schema_version"]
-    if not isinstance(version, int) or version < 1:
-        raise UserError(f"{path}: schema_version={version!r} is not a positive integer; the file is damaged")
-    if version > SUPPORTED_SCHEMA_VERSION:
-        raise UserError(
-            f"{path}: schema_version {version} is newer than this cl-bench reads "
-            f"(up to {SUPPORTED_SCHEMA_VERSION}); upgrade cl-bench"
-        )
-    return run
 
 
 def _field(run: dict, *keys: str):

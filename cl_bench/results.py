@@ -67,6 +67,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def read_record(run_dir: Path) -> dict:
+    """The run record of `run_dir`: the one reader (run --resume, show, compare,
+    analyze, leaderboard); every failure is one line naming the file."""
     path = run_dir / RUN_FILE
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"{run_dir}: is a file, not a run folder; pass the folder that holds {RUN_FILE}")
@@ -83,10 +85,22 @@ def read_record(run_dir: Path) -> dict:
         raise UserError(f"{path}: cannot read the run record ({exc.strerror}); check the path") from None
     if not isinstance(record, dict):
         raise UserError(f"{path}: not a run record (a JSON object); the record is damaged")
-    version = record.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise UserError(f"{path}: schema_version {version!r}; this cl-bench reads version "
-                        f"{SCHEMA_VERSION}")
+    if "schema_version" not in record:
+        raise UserError(f"{path}: no schema_version, so not a cl-bench run record; move it out of the runs folder")
+    version = record["schema_version"]
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise UserError(f"{path}: schema_version={version!r} is not a positive integer; the record is damaged")
+    if version > SCHEMA_VERSION:
+        raise UserError(f"{path}: schema_version {version} is newer than this cl-bench reads "
+                        f"(up to {SCHEMA_VERSION}); upgrade cl-bench")
+    return record
+
+
+def read_finished(run_dir: Path) -> dict:
+    """read_record, for readers that need at least one finished stage (analyze, cost)."""
+    record = read_record(Path(run_dir))
+    if not record.get("stages_done"):
+        raise UserError(f"{Path(run_dir) / RUN_FILE}: no stage finished yet; nothing to draw")
     return record
 
 

@@ -41,7 +41,8 @@ from cl_bench.method import Method, MethodContext, Phase, Stage
 from cl_bench.intervals import run_intervals
 from cl_bench.metrics.cl import summarise
 from cl_bench.models.loading import load
-from cl_bench.probes import RepresentationProbe, expert_sharpness
+from cl_bench.analysis.probes import RepresentationProbe
+from cl_bench.analysis.sharpness import expert_sharpness
 from cl_bench.replay import ReplayBuffer
 
 log = logging.getLogger(__name__)

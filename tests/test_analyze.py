@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 
-from cl_bench.analyze import analyze
+from cl_bench.analysis.plots import analyze
 from cl_bench.benchmarks.trace import load_task
 from cl_bench.config import PROFILES, build
 from cl_bench.data import Encoder
 from cl_bench.errors import UserError
 from cl_bench.models.loading import tiny_llama
-from cl_bench.probes import RepresentationProbe
+from cl_bench.analysis.probes import RepresentationProbe
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def test_probe_stores_a_reference_then_measures_cka_per_layer(setup):
 
 
 def _record(**extra):
-    return {"method": "bilevel-cka", "model": {"id": "tiny-llama"}, "tasks": ["A", "B"],
+    return {"schema_version": 1, "method": "bilevel-cka", "model": {"id": "tiny-llama"}, "tasks": ["A", "B"],
             "stages": [{"index": 0, "label": "A"}, {"index": 1, "label": "B"}],
             "matrix": [[50.0, None], [40.0, 60.0]], "stages_done": 2,
             "summary": {"last_acc": 50.0, "stage_acc": 52.5, "bwt": -10.0}, **extra}
@@ -72,7 +72,7 @@ def test_analyze_draws_what_the_record_holds(tmp_path):
 
 
 def test_cost_against_another_run_divides_seconds_per_step_stage_by_stage(tmp_path):
-    from cl_bench.analyze import cost
+    from cl_bench.analysis.cost import cost
 
     def timed(run_id, secs, peaks, **extra):
         folder = tmp_path / run_id
@@ -101,7 +101,7 @@ def test_cost_against_another_run_divides_seconds_per_step_stage_by_stage(tmp_pa
 
 
 def test_analyze_names_a_missing_or_unfinished_record(tmp_path):
-    with pytest.raises(UserError, match="run.json not found"):
+    with pytest.raises(UserError, match="no run record here"):
         analyze(tmp_path)
     (tmp_path / "run.json").write_text(json.dumps({**_record(), "stages_done": 0}))
     with pytest.raises(UserError, match="no stage finished"):
@@ -111,7 +111,7 @@ def test_analyze_names_a_missing_or_unfinished_record(tmp_path):
 def test_expert_sharpness_finds_an_eigenpair_of_each_experts_hessian_block(setup):
     from cl_bench.data import collate
     from cl_bench.models.moe import upcycle_model
-    from cl_bench.probes import expert_sharpness
+    from cl_bench.analysis.sharpness import expert_sharpness
 
     model, encoder, tasks = setup
     upcycle_model(model, router_std=0.5)
@@ -136,7 +136,7 @@ def test_expert_sharpness_finds_an_eigenpair_of_each_experts_hessian_block(setup
 
 
 def test_lanczos_finds_the_largest_magnitude_eigenvalue_where_power_iteration_stalls():
-    from cl_bench.probes import _lanczos_top
+    from cl_bench.analysis.sharpness import _lanczos_top
 
     g = torch.Generator().manual_seed(0)
     q, _ = torch.linalg.qr(torch.randn(40, 40, generator=g, dtype=torch.float64))

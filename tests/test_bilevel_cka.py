@@ -318,7 +318,11 @@ def test_the_finalised_model_is_the_searched_supernet_without_pairs_of_copies():
 def test_the_clones_train_with_the_optimiser_the_sequencer_carries_over():
     """The sequencer hands stage t-1's optimiser to optimizer_for_stage. One built
     before the clones existed (the published code's) holds none of them: they
-    would never step, and the knowledge gain would measure untrained copies."""
+    would never step, and the knowledge gain would measure untrained copies.
+    Mutations caught: the clones left out of the carried optimiser (held), no step
+    (every clone stepped). The gain's move is only required to be non-zero: over 4
+    steps it came out between 1.3e-4 and 1.2e-3 from run to run (also on one thread;
+    the source of the variation is not pinned down), too close to any fixed bound."""
     method, model = make(mask_every=2)
     previous = method.optimizer_for_stage(Stage(0, [], "task 0"), None)  # stage 0's: no clone yet
     stage = Stage(1, [], "task 1")
@@ -337,7 +341,7 @@ def test_the_clones_train_with_the_optimiser_the_sequencer_carries_over():
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
     assert all(id(p) in held for p in clones.values()), "clones missing from the stage's optimiser"
     assert {n for n, p in clones.items() if not torch.equal(p, start[n])} == set(start)  # every clone stepped
-    assert abs(gain() - before) > 1e-3  # Expand's loss moved: the clones learned
+    assert gain() != before  # Expand's loss moved: the clones learned
     gains = [parts["mask_gain"] for parts in log if "mask_gain" in parts]
     assert len(gains) == 2 and len(set(gains)) == 2
 

@@ -1,4 +1,4 @@
-"""Linear CKA (cl_bench/cka.py): its invariances, a case solved on paper, agreement with
+"""Linear CKA (cl_bench/analysis/cka.py): its invariances, a case solved on paper, agreement with
 the textbook Gram formula, and its gradient."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from cl_bench.cka import linear_cka
+from cl_bench.analysis.cka import linear_cka
 
 
 def randn(*shape, seed=0, dtype=torch.float32):

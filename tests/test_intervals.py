@@ -102,8 +102,10 @@ def test_compare_gives_paired_differences(tmp_path, capsys):
     same = compare([a, a], resamples=100)["comparisons"][0]["summaries"]["last_acc"]
     assert same["ci"] == (0.0, 0.0) and same["p"] == 1.0 and same["diff"] == 0.0
     assert "not distinguishable" in format_comparison(compare([a, a], resamples=100))
-    assert run_cli("compare", a, b, "--format", "json", "--resamples", "100") == 0
+    assert run_cli("compare", a, b, "--format", "json", "--resamples", "100", "--output", tmp_path / "c.json") == 0
     assert json.loads(capsys.readouterr().out)["comparisons"][0]["method"] == "seqft"
+    saved = json.loads((tmp_path / "c.json").read_text())
+    assert saved["command"].startswith("cl-bench compare") and saved["comparisons"][0]["method"] == "seqft"
 
 
 @pytest.mark.parametrize("change, message", [

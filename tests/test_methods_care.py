@@ -18,11 +18,12 @@ from cl_bench.data import IGNORE, Encoder, collate
 from cl_bench.errors import UserError
 from cl_bench.generation import greedy_generate
 from cl_bench.method import MethodContext, Stage
-from cl_bench.methods.care import (UNIFORM_CE_TOL, _key, entropy, kmeans, lr_factor, perceiver_loss,
-                                   select_routers, top_k_softmax)
+from cl_bench.methods.care.args import UNIFORM_CE_TOL, lr_factor
+from cl_bench.methods.care.layer import entropy, select_routers, top_k_softmax
+from cl_bench.methods.care.pseudo_labels import _key, kmeans, perceiver_loss
 from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import schedule_report
-from cl_bench.prompt_pool import DECODE, POOL, PromptPool, masked_mean, prompt_mask
+from cl_bench.models.prompt_pool import DECODE, POOL, PromptPool, masked_mean, prompt_mask
 from conftest import interrupted_run, only_run, run_cli, smoke_args
 
 D, G = 64, 8

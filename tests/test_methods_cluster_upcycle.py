@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from cl_bench import registry, results
-from cl_bench.cluster_svd import energy_rank, spherical_kmeans, whitened_truncated_svd
 from cl_bench.config import resolve
 from cl_bench.data import Encoder, collate
 from cl_bench.errors import UserError
 from cl_bench.method import MethodContext, Stage
 from cl_bench.methods.cluster_upcycle import (cluster_experts, dense_routing, drift_ladder, eesd_loss,
                                               slice_rank_cap)
+from cl_bench.methods.cluster_upcycle.whiten import energy_rank, spherical_kmeans, whitened_truncated_svd
 from cl_bench.models import moe
 from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import schedule_report

@@ -24,7 +24,7 @@ from cl_bench.method import Stage
 from cl_bench.methods.same import SAMEArgs, activation_schedule, activation_scores
 from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import schedule_report
-from cl_bench.subspace import Subspace, damped_inverse, energy_rank, spectral_projection, top_subspace
+from cl_bench.methods.same.subspace import Subspace, damped_inverse, energy_rank, spectral_projection, top_subspace
 from conftest import interrupted_run, only_run, run_cli, smoke_args
 
 E = 3
@@ -254,7 +254,7 @@ def test_maps_are_the_identity_without_a_subspace():
 
 
 def test_wide_inputs_use_the_randomized_decomposition(monkeypatch):
-    from cl_bench import subspace
+    from cl_bench.methods.same import subspace
 
     gen = torch.Generator().manual_seed(0)
     basis = torch.linalg.qr(torch.randn(48, 5, generator=gen))[0]

@@ -1,6 +1,6 @@
 """Running input covariances, their energy subspaces, and the gradient maps built
-from them (used by SAME, methods/same.py; any method that protects old inputs
-of a linear layer can use them).
+from them (SAME's spectral routing and curvature scaling, methods/same/; any
+method that protects old inputs of a linear layer can use them).
 
 C = sum_x x x^T / n, uncentred, over every token added. Its delta-energy
 subspace: the top eigenpairs (lambda_i, v_i), by decreasing lambda, up to the
@@ -15,6 +15,11 @@ Two maps on a gradient (or update) G (m, d) of a layer reading x:
   by at most rho, the rest passes;
 - damped_inverse: G P, P = V (Lambda + mu I)^-1 V^T + mu^-1 (I - V V^T), the
   damped inverse of C in low-rank form (exact when C has rank k).
+
+Source: SAME, ICML 2026, arXiv 2602.01990; code LAMDA-CL/Prism. Differs from
+the code (docs/methods/same.md): C is uncentred and accumulated over every
+token seen, not the current batch centred; its eigenpairs are exact and sorted
+(eigh) up to EIGH_MAX_DIM, not one randomized range-finder pass.
 
 Letters: d input width, k kept directions, m rows of G.
 """

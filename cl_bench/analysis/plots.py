@@ -12,7 +12,7 @@ beside it. Each figure is drawn when the record holds its data:
   dark (methods whose parameter reports carry "decisions", as bilevel-cka).
 - cka.png: CKA per decoder layer between each earlier task's representation
   after the last stage and right after that task was learned (the record's
-  "probes", written by runs with eval.cka_probe > 0; cl_bench/probes.py).
+  "probes", written by runs with eval.cka_probe > 0; cl_bench/analysis/probes.py).
 - sharpness.png: per MoE layer, each expert of the newest group after the last
   stage by gradient norm and by top Hessian eigenvalue, experts that receive
   under 5% of the routing assignments hollow (runs with eval.sharpness > 0).
@@ -20,24 +20,14 @@ beside it. Each figure is drawn when the record holds its data:
 Nothing is recomputed from a model: the figures show what the run recorded
 (the intervals and answer forms come from its predictions, cl_bench/intervals.py).
 
-`--against OTHER_RUN` also compares the cost of the two runs' stages (same task
-order and profile) from their records' timing: training seconds per optimiser
-step per stage (set-up of the stage included, so a method's per-task search
-shows) and peak resident memory, with the ratios run / other and their median
-over the stages compared; written as cost-vs-<other run id>.json. Two runs made
-under different machine load (threads, other jobs) differ by that load as well:
-`--calibrate-stage B` names a stage both runs compute identically (bilevel-cka's
-first task is plain upcycling, the same work as upcycle's) and also gives every
-step ratio divided by stage B's, which cancels the load factor.
+`--against OTHER_RUN` also writes the cost comparison of cl_bench/analysis/cost.py.
 """
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
-from cl_bench.errors import UserError
-from cl_bench.results import RUN_FILE
+from cl_bench.results import read_finished
 
 
 def _pyplot():
@@ -222,64 +212,14 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def _record(run_dir: Path) -> dict:
-    record_path = Path(run_dir) / RUN_FILE
-    if not record_path.is_file():
-        raise UserError(f"{record_path} not found; pass a run folder (the one holding run.json)")
-    try:
-        record = json.loads(record_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{record_path}: not valid JSON ({exc})") from exc
-    if not record.get("stages_done"):
-        raise UserError(f"{record_path}: no stage finished yet; nothing to draw")
-    return record
-
-
-def cost(run_dir: Path, other_dir: Path, from_stage: int = 0, calibrate_stage: int | None = None) -> dict:
-    """The stage costs of `run_dir` against `other_dir` (module docstring), over
-    the stages from `from_stage` that both finished."""
-    run, other = _record(run_dir), _record(other_dir)
-    for key in ("tasks", "profile"):
-        if run.get(key) != other.get(key):
-            raise UserError(f"{Path(other_dir) / RUN_FILE}: field {key} is {other.get(key)!r}, but "
-                            f"{Path(run_dir) / RUN_FILE} has {run.get(key)!r}; compare runs of one profile "
-                            f"and task order")
-    timing = [{s["stage"]: s for s in r["timing"]["stages"]} for r in (run, other)]
-    per_step = [{b: s["train_s"] / s["steps"] for b, s in t.items()} for t in timing]
-    both = set(timing[0]) & set(timing[1])
-    stages = sorted(b for b in both if b >= from_stage)
-    if not stages:
-        raise UserError(f"no stage from {from_stage} on finished in both {run_dir} and {other_dir}")
-    if calibrate_stage is not None and calibrate_stage not in both:
-        raise UserError(f"--calibrate-stage {calibrate_stage}: not a stage both {run_dir} and {other_dir} "
-                        f"finished ({sorted(both)})")
-    ratio = {b: per_step[0][b] / per_step[1][b] for b in both}
-    load = None if calibrate_stage is None else ratio[calibrate_stage]
-    rows = [{"stage": b, "task": run["stages"][b]["label"], "s_per_step": per_step[0][b],
-             "other_s_per_step": per_step[1][b], "step_ratio": ratio[b],
-             **({} if load is None else {"calibrated_step_ratio": ratio[b] / load}),
-             "peak_rss_mb": timing[0][b].get("peak_rss_mb"), "other_peak_rss_mb": timing[1][b].get("peak_rss_mb")}
-            for b in stages]
-    peak = [max(r[k] for r in rows) if all(r[k] for r in rows) else None
-            for k in ("peak_rss_mb", "other_peak_rss_mb")]
-    out = {"run": run["run_id"], "other": other["run_id"], "from_stage": from_stage, "stages": rows,
-           "median_step_ratio": statistics.median(r["step_ratio"] for r in rows),
-           "peak_rss_mb": peak[0], "other_peak_rss_mb": peak[1],
-           "peak_rss_ratio": peak[0] / peak[1] if all(peak) else None,
-           "note": "peak_rss_mb: the process's peak resident memory by the end of each stage"}
-    if load is not None:
-        out.update(calibrate_stage=calibrate_stage, load_ratio=load,
-                   median_calibrated_step_ratio=statistics.median(r["calibrated_step_ratio"] for r in rows))
-    return out
-
-
 def analyze(run_dir: Path, against: Path | None = None, from_stage: int = 0,
             calibrate_stage: int | None = None) -> list[Path]:
     """Write every figure the record of `run_dir` supports (and, with `against`,
     the cost comparison); returns their paths."""
+    from cl_bench.analysis.cost import cost
     from cl_bench.intervals import record_intervals
 
-    record = _record(run_dir)
+    record = read_finished(run_dir)
     iv = record_intervals(record, run_dir)
     out = [heatmap(record, run_dir / "heatmap.png", iv)]
     for draw, name in ((tasks_figure, "tasks.png"), (forms, "forms.png")):

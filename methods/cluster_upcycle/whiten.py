@@ -1,19 +1,17 @@
 """Spherical k-means and the whitened (data-aware) truncated SVD: the numerics of
-cluster-aware upcycling (methods/cluster_upcycle.py), usable by any method that
-initialises low-rank or cluster-specialised weights from calibration data.
+cluster-upcycle (docs/methods/cluster-upcycle.md, "Numerics").
 
 Letters: N tokens, d_in / d_out a weight's input / output width, k clusters.
 
-Whitened truncated SVD (SVD-LLM's whitening, Wang et al. 2024): for a weight W
-(d_out, d_in) and inputs X (d_in, n) with C = X X^T,
+Formula: for W (d_out, d_in) and inputs X (d_in, n), C = X X^T = S S^T (Cholesky),
+W S = U Sigma V^T, W' = U_r Sigma_r V_r^T S^-1 = argmin_{rank(W') <= r} ||W X - W' X||_F;
+r = smallest with sum_{j<=r} sigma_j^2 >= tau * sum_j sigma_j^2, capped.
 
-    min over rank(W') <= r of ||W X - W' X||_F
+Sources: SVD-LLM's whitening (Wang et al. 2024); spherical k-means (Dhillon &
+Modha, 2001) with k-means++ seeds (Arthur & Vassilvitskii, 2007).
 
-is solved by S with S S^T = C (Cholesky), the SVD  W S = U Sigma V^T, and
-W' = U_r Sigma_r V_r^T S^-1, because ||(W - W') X||_F = ||(W - W') S||_F for any
-such S, and the best rank-r approximation of W S is U_r Sigma_r V_r^T
-(Eckart-Young). sigma_j^2 is then output energy on the data, so the rank is the
-smallest r with sum_{j<=r} sigma_j^2 >= tau * sum_j sigma_j^2, capped.
+Differs: a ridge on C before the Cholesky, and an eigen-decomposition square root
+with a pseudo-inverse when the Cholesky fails; cosine distance in k-means++.
 """
 from __future__ import annotations
 

@@ -1,0 +1,221 @@
+"""The bilevel-cka decisions and records: at the end of a task t >= 1 each slot
+of each candidate layer is decided,
+
+    sigmoid(alpha_e - alpha_r) > 0.5  ->  Expand (the clone joins as a new expert,
+                                          with its trained row), else Recycle (dropped),
+
+the stage's record is written (run.json "params": decisions, expand
+probabilities, CKA, the mask schedule, the deploy check; schema in
+docs/methods/bilevel-cka.md, "Records"), and `cl-bench params` counts a run's
+parameters from a decision map, an expert count per layer or the upper bound
+(every decision Expand), a mixin of BilevelCKA.
+
+Source: CKA-guided bilevel MoE upcycling (ICML 2026), as METHODS.md ("bilevel-cka").
+
+Differs from the paper/code (docs/methods/bilevel-cka.md, "Differences"):
+- the new expert's row is the clone's own trained row, appended with its group so
+  rows stay aligned with experts (the code appends rows at the end while experts
+  are inserted in the middle, and gives the new expert mean of old rows + noise);
+- the old expert stays, frozen and routable, for old tasks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from cl_bench.analysis.cka import linear_cka
+from cl_bench.errors import UserError
+from cl_bench.method import Stage
+from .supernet import pair_shares
+from cl_bench.models.moe import decoder_layers, load_balancing_loss, moe_layers
+from cl_bench.models.params import count
+
+if TYPE_CHECKING:
+    from . import BilevelCKAArgs
+
+
+class _Record:
+    """BilevelCKA's end of a task: decisions, finalisation, records and parameter counts."""
+
+    # ---- task end --------------------------------------------------------------------
+    def after_task(self, stage: Stage) -> None:
+        task = self._task
+        if task is None:
+            return
+        if task.logits is None:
+            expand = torch.ones(len(self._candidates), self.args.experts_per_task, dtype=torch.bool)
+        else:
+            expand = (task.logits[..., 1] - task.logits[..., 0]).detach().cpu().sigmoid() > 0.5
+        self._finalise(expand)
+
+    def _finalise(self, expand: torch.Tensor) -> None:
+        """Expand the clones where `expand` (L_c, K) is true, drop the others, and
+        write this stage's record."""
+        task, a = self._task, self.args
+        reference = self._reference_features(task.replay_batch) if task.replay_batch is not None else None
+        trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        check = list(task.task_batches)  # the deploy check: supernet at pi = decisions vs finalised
+        if check:
+            self._set_masks(expand.to(self._device(), torch.float32))
+            supernet_loss = self._mean_loss(check)
+        blocks = decoder_layers(self.model)
+        added = 0
+        for c, i in enumerate(self._candidates):
+            net = task.nets[i]
+            layer, clones = net.moe, net.clones
+            chosen = expand[c].nonzero().flatten().tolist()  # slots that expand
+            if chosen:
+                first = layer.n_experts
+                index = torch.tensor(chosen, device=clones.gate.device)
+                taken = tuple(w[index].detach().clone() for w in (clones.gate, clones.up, clones.down))
+                layer.add_group(lambda dense, k, taken=taken: taken, router_std=0.0, slots=chosen)
+                with torch.no_grad():
+                    layer.groups[-1].router_weight.copy_(clones.router_weight[index])
+                    layer.groups[-1].router_bias.copy_(clones.router_bias[index])
+                for j, slot in enumerate(chosen):
+                    self._active[i][slot] = first + j
+                added += len(chosen)
+            blocks[i].mlp = layer
+        if self._optimizer is not None:
+            _drop_removed(self._optimizer, self.model)  # its checkpoint names every parameter it holds
+        deploy = None
+        if check:
+            deployed_loss = self._mean_loss(check)
+            deploy = {"batches": len(check), "supernet_loss": _round(supernet_loss),
+                      "deployed_loss": _round(deployed_loss),
+                      "loss_gap": round(abs(deployed_loss - supernet_loss), 9),
+                      "pair_share": [_round(x) for x in pair_shares(self.model, self._candidates, check)]}
+        cka_final = None
+        if reference is not None:
+            with torch.no_grad(), self._capture() as feats:
+                self.model(input_ids=task.replay_batch["input_ids"],
+                           attention_mask=task.replay_batch["attention_mask"], use_cache=False)
+            load_balancing_loss(self.model)
+            cka_final = [_round(linear_cka(self._tokens(feats[l], task.replay_batch), reference[l]))
+                         for l in self._cka_layers]
+        window = task.every
+        probs = None
+        if task.logits is not None:
+            probs = (task.logits[..., 1] - task.logits[..., 0]).detach().cpu().sigmoid()
+            probs = [[_round(p) for p in row] for row in probs.tolist()]
+        self._record = {
+            "trainable": trained,
+            "expansion_rate": float(expand.float().mean()),
+            "experts_added": added,
+            "decision_layers": list(self._candidates),
+            "decisions": expand.int().tolist(),
+            "expand_prob": probs,
+            "cka_layers": list(self._cka_layers),
+            "cka_before": _mean_rows(task.cka[:window]),
+            "cka_after": _mean_rows(task.cka[-window:]),
+            "cka_final": cka_final,
+            "mask_schedule": {"steps": task.n_steps, "mask_every": task.every, "updates": task.updates,
+                              "tau0": a.tau0, "tau_decay": task.decay, "tau_end": task.tau,
+                              "mask_lr": a.mask_lr, "mask_lr_eff": task.mask_lr,
+                              "init_gap": None if task.init_gap is None else _round(task.init_gap),
+                              "reach": None if task.mask_lr is None else _round(2 * task.updates * task.mask_lr)},
+            "deploy_check": deploy,
+        }
+        self._task = None
+
+    def param_report(self) -> dict[str, Any]:
+        report = count(self.model)
+        report["expansion_rate"] = None  # task 0: nothing offered
+        report.update(self._record or {})
+        return report
+
+    @classmethod
+    def param_schedule(cls, model: nn.Module, n_tasks: int, args: BilevelCKAArgs, *,
+                       decisions: list | None = None,
+                       experts_per_layer: float | None = None) -> list[dict[str, Any]]:
+        """Without training the decisions are unknown: by default every stage t >= 1 is
+        reported as if every decision were Expand, the upper bound (as many experts
+        as Standard upcycling; exact with mask=off). `decisions`: a map
+        [task][candidate layer][slot] of 0/1 for tasks 1..T-1 (a run record's, or a
+        paper's), counted as given; `experts_per_layer`: the mean experts per MoE
+        layer after the last task, made into such a map by `spread_decisions`.
+        "trainable" is the supernet's: the clones of the active experts and their
+        router rows."""
+        if decisions is not None and experts_per_layer is not None:
+            raise UserError("give a decision map or an expert count per layer, not both")
+        # mask=off: no mask logits (on the meta device they hold no values); every slot
+        # expands unless `decisions` say otherwise
+        method = cls(dataclasses.replace(args, mask="off"), context=None)
+        bound = "upper: every decision Expand"
+        method.setup(model)
+        n_cand, K = len(method._candidates), args.experts_per_task
+        if experts_per_layer is not None:
+            decisions = spread_decisions(experts_per_layer, n_tasks, len(moe_layers(model)), n_cand, K)
+            bound = (f"{experts_per_layer:g} experts per MoE layer after the last task "
+                     f"(expansions spread evenly over tasks and layers)")
+        elif decisions is not None:
+            decisions = _check_decisions(decisions, n_tasks, n_cand, K)
+            bound = "the given decisions"
+        rows = []
+        for t in range(n_tasks):
+            stage = Stage(t, [], f"task {t}")
+            method.before_task(stage)
+            if t and decisions is not None:
+                method._finalise(torch.tensor(decisions[t - 1], dtype=torch.bool))
+            else:
+                method.after_task(stage)
+            rows.append({"stage": t, **method.param_report(), "bound": bound})
+        return rows
+
+
+def spread_decisions(experts_per_layer: float, n_tasks: int, n_moe: int, n_cand: int, K: int) -> list:
+    """A decision map [task 1..T-1][candidate layer][slot] with round((X - K) * n_moe)
+    Expands, X = `experts_per_layer` the mean over the n_moe MoE layers after the
+    last task (K each at task 0): filled layer by layer, then task by task, then
+    slot by slot, so layers differ by at most one expert and tasks by at most one
+    per layer. Only the last stage's count is fixed by X; the spread over tasks is
+    this choice."""
+    n = round((experts_per_layer - K) * n_moe)
+    cap = (n_tasks - 1) * n_cand * K
+    if not 0 <= n <= cap:
+        top = K + cap / n_moe
+        raise UserError(f"--experts-per-layer {experts_per_layer:g}: over {n_tasks} tasks a layer holds "
+                        f"{K} (task 0) to {top:g} experts on average (every decision Expand); give a "
+                        f"value in that range")
+    maps = [[[0] * K for _ in range(n_cand)] for _ in range(n_tasks - 1)]
+    for p in range(n):
+        rest = p // n_cand
+        maps[rest % (n_tasks - 1)][p % n_cand][rest // (n_tasks - 1)] = 1
+    return maps
+
+
+def _check_decisions(decisions: list, n_tasks: int, n_cand: int, K: int) -> list:
+    """The map for tasks 1..T-1 (a leading null or empty task 0 dropped), checked."""
+    if len(decisions) == n_tasks and not decisions[0]:
+        decisions = decisions[1:]
+    if len(decisions) != n_tasks - 1:
+        raise UserError(f"decision map: {len(decisions)} tasks of decisions for --tasks {n_tasks}; give one "
+                        f"[layer][slot] map per task 1..{n_tasks - 1} (a leading null for task 0 may stand first)")
+    for t, task in enumerate(decisions, start=1):
+        ok = (isinstance(task, list) and len(task) == n_cand
+              and all(isinstance(row, list) and len(row) == K and all(v in (0, 1) for v in row) for row in task))
+        if not ok:
+            raise UserError(f"decision map, task {t}: expected {n_cand} candidate layers x {K} slots of 0/1")
+    return decisions
+
+
+
+def _drop_removed(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Remove from `optimizer` (and its state) the parameters no longer in `model`:
+    the clones, dropped or copied into new expert groups at finalisation."""
+    live = {id(p) for p in model.parameters()}
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) in live]
+    for p in [p for p in optimizer.state if id(p) not in live]:
+        del optimizer.state[p]
+
+
+def _mean_rows(rows: list[list[float]]) -> list[float] | None:
+    return [_round(sum(col) / len(col)) for col in zip(*rows)] if rows else None
+
+
+def _round(x) -> float:
+    return round(float(x), 6)

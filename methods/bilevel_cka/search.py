@@ -1,0 +1,198 @@
+"""The bilevel-cka search: the mask schedule fitted to a task, what a task holds
+while it trains, the outer step on the mask logits alpha and the masks and
+features the inner and outer steps share (a mixin of BilevelCKA).
+
+    L_out = L_replay(pi) - gamma * G + beta * B(r),   G = sg(L_recycle - L_expand) * r,  r = mean(pi)
+    N_eff = min(N, max(1, steps // min_mask_updates)),  U = steps // N_eff
+    rho_eff = min(rho, (tau_final / tau0)^(1 / U)),  mask_lr_eff = max(mask_lr, g0 / U)
+
+Adam on alpha every N_eff optimiser steps; tau_k = max(tau_final, tau0 * rho_eff^k)
+after update k.
+
+Source: CKA-guided bilevel MoE upcycling (ICML 2026), as METHODS.md ("bilevel-cka").
+
+Differs from the paper/code (why: docs/methods/bilevel-cka.md, "Schedule"):
+- N, rho and mask_lr are fitted to each task's step count, so tau reaches
+  tau_final within the task and Recycle stays reachable (the code's tau ends
+  near 3.4; the paper's ~78 updates keep mask_lr);
+- the CKA reference is the model before the task, recomputed per replay batch,
+  not cached task-0 activations.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from cl_bench.data import IGNORE
+from cl_bench.errors import UserError
+from cl_bench.method import Stage, lm_loss
+from .supernet import _Supernet, balance, straight_through_gumbel
+from cl_bench.models.moe import decoder_layers, load_balancing_loss
+
+if TYPE_CHECKING:
+    from . import BilevelCKAArgs
+
+CHECK_BATCHES = 4  # task micro-batches (the last ones) the deploy check at finalisation runs on
+
+
+def mask_schedule(n_steps: int | None, args: BilevelCKAArgs) -> tuple[int, int | None, float]:
+    """(N_eff, outer updates U, rho_eff) for a task of `n_steps` optimiser steps
+    (None: unknown, the arguments as given); see the module docstring and
+    docs/methods/bilevel-cka.md, "Schedule"."""
+    every, decay = args.mask_every, args.tau_decay
+    if n_steps is None:
+        return every, None, decay
+    if args.min_mask_updates:
+        every = max(1, min(every, n_steps // args.min_mask_updates))
+    updates = n_steps // every
+    if updates and args.tau0 * decay ** updates > args.tau_final:
+        decay = (args.tau_final / args.tau0) ** (1 / updates)
+    return every, updates, decay
+
+
+def reachable_mask_lr(updates: int | None, init_gap: float, mask_lr: float) -> float:
+    """mask_lr_eff = max(mask_lr, g0 / U): Adam moves each logit by at most ~lr per
+    update, so the expand - recycle gap moves at most 2 U lr in U updates; this lr
+    lets a gap g0 reach -g0 (module docstring). U None (unknown): mask_lr."""
+    if not updates:
+        return mask_lr
+    return max(mask_lr, init_gap / updates)
+
+
+def no_update_error(stage: Stage, n_steps: int, args: BilevelCKAArgs) -> UserError:
+    return UserError(
+        f"bilevel-cka: stage {stage.index} ({stage.label}) takes {n_steps} optimiser steps, fewer than "
+        f"method_args.mask_every={args.mask_every} with method_args.min_mask_updates=0, so its masks "
+        f"would get no outer update and every decision would be the initialisation; set "
+        f"min_mask_updates >= 1 (the default 4 fits N to the task) or mask_every <= {max(n_steps, 1)}")
+
+
+@dataclass
+class _Task:
+    """What one task t >= 1 holds while it trains."""
+
+    nets: dict[int, _Supernet]  # candidate decoder layer -> its supernet
+    snapshot: dict[str, torch.Tensor]  # pre-task values of what trains besides the clones
+    generator: torch.Generator  # Gumbel noise (and a random init), seeded per task
+    n_steps: int | None
+    every: int  # N_eff
+    decay: float  # rho_eff
+    logits: nn.Parameter | None  # alpha (L_c, K, 2); None with mask=off
+    optimizer: torch.optim.Optimizer | None
+    tau: float
+    mask_lr: float | None = None  # mask_lr_eff
+    init_gap: float | None = None  # g0: max |alpha_e - alpha_r| at the start
+    updates: int = 0
+    pi: torch.Tensor | None = None  # (L_c, K): this step's sample
+    pi_step: int = -1
+    task_batch: dict | None = None  # the last task micro-batch (outer step)
+    task_batches: deque = field(default_factory=lambda: deque(maxlen=CHECK_BATCHES))  # deploy check
+    replay_batch: dict | None = None  # the last replay micro-batch (final CKA)
+    cka: list[list[float]] = field(default_factory=list)  # per replay step, per deep layer
+
+
+class _Search:
+    """BilevelCKA's outer step and the masks and features of a task t >= 1 (self._task)."""
+
+    def _outer_step(self, replay: dict) -> dict[str, float]:
+        """One Adam step on the mask logits (module docstring)."""
+        a, task = self.args, self._task
+        pi = straight_through_gumbel(task.logits, task.tau, task.generator)[..., 1]  # (L_c, K)
+        self._set_masks(pi)
+        l_replay = lm_loss(self.model, replay)
+        with torch.no_grad():
+            self._set_masks(torch.ones_like(pi))
+            l_expand = lm_loss(self.model, task.task_batch)
+            self._set_masks(torch.zeros_like(pi))
+            l_recycle = lm_loss(self.model, task.task_batch)
+        load_balancing_loss(self.model)
+        rate = pi.mean()
+        gain = (l_recycle - l_expand).detach() * rate
+        bal = balance(rate, a.r_target)
+        total = l_replay - a.gamma * gain + a.beta * bal
+        (grad,) = torch.autograd.grad(total, [task.logits])  # the model's gradients stay untouched
+        task.logits.grad = grad
+        task.optimizer.step()
+        task.logits.grad = None
+        task.updates += 1
+        task.tau = max(a.tau_final, a.tau0 * task.decay ** task.updates)
+        return {"mask_loss": total.item(), "mask_replay": l_replay.item(), "mask_gain": gain.item(),
+                "mask_balance": bal.item(), "mask_rate": rate.item(), "tau": task.tau}
+
+    # ---- masks and features -------------------------------------------------------
+    def _step_masks(self, step: int) -> torch.Tensor:
+        """This step's pi (L_c, K): one sample per optimiser step, from alpha without
+        its gradient (the inner step trains the model, not alpha)."""
+        task = self._task
+        if task.pi_step != step:
+            task.pi_step = step
+            if task.logits is None:
+                task.pi = torch.ones(len(self._candidates), self.args.experts_per_task, device=self._device())
+            else:
+                task.pi = straight_through_gumbel(task.logits.detach(), task.tau, task.generator)[..., 1]
+        return task.pi
+
+    def _set_masks(self, pi: torch.Tensor) -> None:
+        for c, i in enumerate(self._candidates):
+            self._task.nets[i].pi = pi[c]
+
+    @contextlib.contextmanager
+    def _capture(self):
+        """Collects the output of each CKA layer during the forwards inside."""
+        blocks = decoder_layers(self.model)
+        feats: dict[int, torch.Tensor] = {}
+
+        def hook(i):
+            def store(module, inputs, output):
+                feats[i] = output[0] if isinstance(output, tuple) else output  # (B, T, d)
+            return store
+
+        handles = [blocks[i].register_forward_hook(hook(i)) for i in self._cka_layers]
+        try:
+            yield feats
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _tokens(self, h: torch.Tensor, batch: dict) -> torch.Tensor:
+        """(B, T, d) -> (n, d): the non-pad tokens, at most cka_max_tokens evenly spaced."""
+        flat = h[batch["attention_mask"].bool()]
+        n, m = flat.shape[0], self.args.cka_max_tokens
+        if n > m:
+            flat = flat[torch.linspace(0, n - 1, m, device=flat.device).round().long()]
+        return flat
+
+    def _reference_features(self, batch: dict) -> dict[int, torch.Tensor]:
+        """CKA-layer outputs of the model as it was before this task: every mask at 0
+        (old experts, old rows) and the snapshot of whatever else trains."""
+        task = self._task
+        self._set_masks(torch.zeros(len(self._candidates), self.args.experts_per_task, device=self._device()))
+        kwargs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        with torch.no_grad(), self._capture() as feats:
+            if task.snapshot:
+                torch.func.functional_call(self.model, task.snapshot, (), kwargs)
+            else:
+                self.model(**kwargs)
+        load_balancing_loss(self.model)
+        return {l: self._tokens(feats[l], batch) for l in self._cka_layers}
+
+    def _mean_loss(self, batches: list[dict]) -> float:
+        """Answer-token CE over `batches` (token-weighted), in eval mode, no gradient."""
+        was = self.model.training
+        self.model.eval()
+        total = tokens = 0.0
+        with torch.no_grad():
+            for b in batches:
+                n = int((b["labels"] != IGNORE).sum())
+                total += float(lm_loss(self.model, b)) * n
+                tokens += n
+        self.model.train(was)
+        return total / max(tokens, 1)
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device

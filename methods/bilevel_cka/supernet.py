@@ -1,0 +1,160 @@
+"""The bilevel-cka supernet: a candidate layer's MLP during a task t >= 1, the
+MoE layer beside a trainable clone of each of its K active experts, each clone
+behind a hard mask pi_c in {0, 1}:
+
+    p_e(x) = pi_e exp(z_e(x)) / sum_j pi_j exp(z_j(x)),   pi_e = 1 for the E experts
+    pi = onehot(argmax y) + y - sg(y),   y = softmax((alpha + g) / tau),  g ~ Gumbel(0, 1)
+    B(r) = 2 (r_target - r) below r_target, sigmoid(r - r_target) at or above it
+
+then top-k, renormalised, and Switch balancing over the E + sum pi live experts,
+as UpcycledMoE. At pi = 0 it is the layer before the task; at pi = the decisions,
+the layer Expand deploys, operation for operation.
+
+Source: CKA-guided bilevel MoE upcycling (ICML 2026); straight-through
+Gumbel-Softmax: Jang et al., 2017.
+
+Differs from the paper/code (why: docs/methods/bilevel-cka.md, "Routing choice"):
+- each clone has a router row of its own, N(0, router_std^2), not a copy of its
+  expert's row (the code: shared during the search, then mean of rows + noise);
+- a clone is added beside its expert, not pi e_new + (1 - pi) e_old (METHODS.md);
+- the balance above target is sigmoid(r - r_target), not sparsity_weight * (r - r_target).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cl_bench.models.moe import ExpertGroup, UpcycledMoE, decoder_layers, load_balancing_loss
+
+# Letters: L_c candidate layers, K slots (experts per task), B, T, N, d, E as in moe.py.
+
+
+def straight_through_gumbel(logits: torch.Tensor, tau: float,
+                            generator: torch.Generator | None = None) -> torch.Tensor:
+    """Hard straight-through Gumbel-Softmax over the last dim (Jang et al., 2017):
+    the forward value is one-hot at argmax(logits + g), exactly; the gradient is
+    that of y = softmax((logits + g) / tau). g ~ Gumbel(0, 1) from `generator` (CPU)."""
+    u = torch.rand(logits.shape, generator=generator).to(logits.device, logits.dtype)
+    g = -torch.log(-torch.log(u.clamp(1e-10, 1 - 1e-7)))
+    y = ((logits + g) / tau).softmax(dim=-1)
+    hard = F.one_hot(y.argmax(dim=-1), logits.shape[-1]).to(y.dtype)
+    return hard + (y - y.detach())  # y - sg(y) is exactly 0 forward: the value stays one-hot
+
+
+def balance(rate: torch.Tensor, r_target: float) -> torch.Tensor:
+    """B(r): 2 (r_target - r) below the target, sigmoid(r - r_target) at or above it."""
+    return 2 * (r_target - rate) if rate.item() < r_target else torch.sigmoid(rate - r_target)
+
+
+class _Supernet(nn.Module):
+    """A candidate layer's MLP during a task t >= 1: the MoE layer `moe` (its experts
+    and rows unchanged and frozen) and `clones`, trainable copies of its active
+    experts (clone c of expert active[c], slot c), each with a router row of its
+    own drawn N(0, router_std^2) from `generator` and bias 0. `pi` [K], set before
+    each forward, says which clones are routable (module docstring): at
+    pi = 1 a clone is routed exactly as the expert Expand makes of it."""
+
+    def __init__(self, moe: UpcycledMoE, active: list[int], router_std: float, generator: torch.Generator):
+        super().__init__()
+        self.moe = moe
+        like = moe.router_weight()  # (E, d)
+        index = torch.tensor(active, device=like.device)
+        experts = moe.experts()
+        stacked = [torch.stack([experts[e][i] for e in active]).detach().clone() for i in range(3)]
+        rows = torch.randn(len(active), moe.d, generator=generator) * router_std  # (K, d), drawn on CPU
+        self.clones = ExpertGroup(*stacked, rows.to(like), like.new_zeros(len(active)))  # slots 0..K-1
+        self.register_buffer("active", index, persistent=False)  # (K,)
+        self.pi = like.new_ones(len(active))  # (K,)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As UpcycledMoE.route over the E experts and the K clones, clone c's
+        softmax numerator times pi_c. x: (N, d) -> probs (N, E+K) fp32, weights
+        (N, k) fp32 summing to 1, indices (N, k) into [experts..., clones...]."""
+        moe, clones = self.moe, self.clones
+        weight = torch.cat([moe.router_weight(), clones.router_weight])  # (E+K, d)
+        bias = torch.cat([moe.router_bias(), clones.router_bias])  # (E+K,)
+        logits = F.linear(x.float(), weight.float(), bias.float())  # (N, E+K)
+        present = torch.cat([logits.new_ones(moe.n_experts), self.pi.float()])  # (E+K,)
+        # the max over every entry keeps exp <= 1 (no inf * 0 at pi = 0); the ratio is the softmax's
+        num = (logits - logits.detach().amax(dim=-1, keepdim=True)).exp() * present  # (N, E+K)
+        probs = num / num.sum(dim=-1, keepdim=True)
+        top, indices = probs.topk(moe.k, dim=-1)  # a clone at pi = 0 has probability 0: never chosen
+        return probs, top / top.sum(dim=-1, keepdim=True), indices
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        moe, clones = self.moe, self.clones
+        shape = x.shape  # (B, T, d)
+        flat = x.reshape(-1, shape[-1])  # (N, d)
+        probs, weights, indices = self.route(flat)
+        if moe.training and moe.lb_coef > 0:
+            # Switch balancing over the live experts (E + sum pi), as the deployed layer's balance_loss
+            live = moe.n_experts + float(self.pi.detach().sum())
+            f = torch.bincount(indices.reshape(-1), minlength=probs.shape[-1]).to(probs.dtype) / indices.numel()
+            moe.aux_loss = moe.lb_coef * live * torch.dot(f, probs.mean(dim=0))
+        else:
+            moe.aux_loss = None
+        experts = moe.experts() + list(zip(clones.gate.unbind(0), clones.up.unbind(0), clones.down.unbind(0)))
+        routed = _dispatch(flat, weights, indices, experts, moe.dense.act_fn)
+        if moe.shared == "add":
+            return moe.dense(x) + moe.routed_scale * routed.reshape(shape)
+        # clone c stands in for slot c, as active[c] does: swap it out of the dense path alike
+        as_experts = torch.where(indices < moe.n_experts, indices,
+                                 self.active[(indices - moe.n_experts).clamp(min=0)])  # (N, k)
+        return (moe.swapped_dense(flat, weights, as_experts) + routed).reshape(shape)
+
+
+def _dispatch(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: list,
+              act) -> torch.Tensor:
+    """UpcycledMoE.experts_forward over an explicit list of (gate, up, down): the
+    N*k assignments sorted by expert, each expert run once on its own tokens.
+    x: (N, d); weights, indices: (N, k) -> (N, d)."""
+    N, k = indices.shape
+    flat = indices.reshape(-1)  # (N*k,)
+    order = torch.argsort(flat, stable=True)
+    token = order // k
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    xs = x.index_select(0, token)  # (N*k, d), grouped by expert
+    outs, start = [], 0
+    for (gate, up, down), n in zip(experts, counts):
+        if n:
+            xe = xs[start:start + n]
+            outs.append((act(xe @ gate.T) * (xe @ up.T)) @ down.T)  # (n, d)
+            start += n
+    if not outs:
+        return torch.zeros_like(x)
+    ys = torch.cat(outs) * weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)  # (N*k, d)
+    return torch.zeros_like(x).index_add(0, token, ys)
+
+
+def pair_shares(model: nn.Module, layers: list[int], batches: list[dict]) -> list[float]:
+    """Per decoder layer in `layers` (an UpcycledMoE each): the share of the non-pad
+    tokens of `batches` whose top-k holds two experts of one slot (two copies of
+    one dense slice). No gradient."""
+    blocks = decoder_layers(model)
+    inputs: dict[int, torch.Tensor] = {}
+
+    def hook(i):
+        def store(module, args):
+            inputs[i] = args[0]  # (B, T, d)
+        return store
+
+    handles = [blocks[i].mlp.register_forward_pre_hook(hook(i)) for i in layers]
+    pairs, tokens = [0] * len(layers), 0
+    try:
+        with torch.no_grad():
+            for b in batches:
+                model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False)
+                keep = b["attention_mask"].bool()  # (B, T)
+                tokens += int(keep.sum())
+                for j, i in enumerate(layers):
+                    layer = blocks[i].mlp
+                    _, _, indices = layer.route(inputs[i][keep])  # (n, k)
+                    slots = layer.slots()[indices].sort(dim=-1).values
+                    pairs[j] += int((slots[:, 1:] == slots[:, :-1]).any(dim=-1).sum())
+    finally:
+        for handle in handles:
+            handle.remove()
+        load_balancing_loss(model)
+    return [p / max(tokens, 1) for p in pairs]
+

@@ -1,0 +1,83 @@
+"""The distillation teacher of cluster-upcycle, expert-ensemble self-distillation
+(EESD; docs/methods/cluster-upcycle.md, step 5): the model with an EMA of what
+trains substituted, run with every MoE layer dense (top-k = E).
+
+Formulas:
+    L_EESD = T^2 * mean over answer tokens of KL(p_teacher || p_student), p = softmax(logits / T)
+    y_ens = sum_i g_i^ema E_i^ema(x);  theta_ema <- d theta_ema + (1 - d) theta after every step
+Source: cluster-aware upcycling (CAU, CVPR 2026, arXiv 2604.13508; no code).
+
+Differs from the paper (not public; chosen): KL(teacher || student) on answer
+tokens, T = 1, weight 1, decay 0.999 per step; the EMA covers only what trains in
+the task (frozen groups enter at their fixed values) and, by default, carries over
+from task to task (ema_reset=true restarts it); the seed's layer-local MSE variant
+is not implemented.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from cl_bench.data import IGNORE
+from cl_bench.models.moe import load_balancing_loss, moe_layers
+
+
+def eesd_loss(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor,
+              temperature: float = 1.0) -> torch.Tensor:
+    """T^2 * mean over answer tokens of KL(p_teacher || p_student), p = softmax(logits / T),
+    in fp32. student, teacher: (B, T, V) logits; labels: (B, T), -100 off the answer.
+    Logits at position i predict token i + 1, so position i counts when labels[i + 1]
+    is an answer token (as the LM loss)."""
+    mask = labels[:, 1:] != IGNORE  # (B, T-1)
+    if not bool(mask.any()):
+        return student.sum() * 0.0
+    s = student[:, :-1][mask].float() / temperature  # (n, V)
+    t = teacher[:, :-1][mask].float() / temperature
+    log_t = t.log_softmax(dim=-1)
+    kl = (log_t.exp() * (log_t - s.log_softmax(dim=-1))).sum(dim=-1)  # (n,)
+    return kl.mean() * temperature ** 2
+
+
+@contextlib.contextmanager
+def dense_routing(model: nn.Module):
+    """Every MoE layer routes each token to all of its E experts (top-k = E: the full
+    softmax, which already sums to 1) while inside."""
+    layers = moe_layers(model)
+    saved = [layer.k for layer in layers]
+    try:
+        for layer in layers:
+            layer.k = layer.n_experts
+        yield
+    finally:
+        for layer, k in zip(layers, saved):
+            layer.k = k
+
+
+def sync_ema(model: nn.Module, ema: dict[str, torch.Tensor]
+             ) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, nn.Parameter]]]:
+    """The EMA holds exactly the parameters trainable now: those already in `ema`
+    keep their average, new ones join at their current value, frozen ones leave
+    (the teacher then uses their fixed value, where their EMA would converge).
+    Returns the new EMA and its (value, parameter) pairs."""
+    params = dict(model.named_parameters())
+    ema = {name: ema[name] if name in ema else p.detach().clone()
+           for name, p in params.items() if p.requires_grad}
+    return ema, [(value, params[name]) for name, value in ema.items()]
+
+
+def ema_step(pairs: list[tuple[torch.Tensor, nn.Parameter]], decay: float) -> None:
+    with torch.no_grad():
+        for value, p in pairs:
+            value.lerp_(p.detach(), 1 - decay)  # value <- d value + (1 - d) p
+
+
+def teacher_logits(model: nn.Module, ema: dict[str, torch.Tensor],
+                   batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(B, T, V) logits of the EMA model with every MoE layer dense (no gradient)."""
+    kwargs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    with torch.no_grad(), dense_routing(model):
+        logits = torch.func.functional_call(model, ema, (), kwargs).logits
+    load_balancing_loss(model)  # drop the teacher's balancing term
+    return logits
