@@ -11,6 +11,7 @@ prints how many runs resumed to identical results and which folders could not be
 resumed. The goal is all of them.
 
     python scripts/soak_interrupts.py --runs 50 --report results/soak/interrupts.json
+    python scripts/soak_interrupts.py --runs 20 --in-stages --report results/soak/interrupts-in-stages.json
 """
 from __future__ import annotations
 
@@ -39,6 +40,13 @@ def run_args(method: str, seed: int, out: Path, run_id: str, epochs: int) -> lis
             "--run-id", run_id, "--no-progress", "--set", f"train.epochs={epochs}"]
 
 
+def _wait_for_record(proc: subprocess.Popen, run_dir: Path) -> float:
+    """When run.json first appeared in `run_dir` (or the process ended), monotonic."""
+    while not (run_dir / "run.json").exists() and proc.poll() is None:
+        time.sleep(0.02)
+    return time.monotonic()
+
+
 def same_results(a: Path, b: Path) -> list[str]:
     """What differs between two finished run folders (empty: identical results)."""
     diffs = [name for name in SAME_FILES if (a / name).read_bytes() != (b / name).read_bytes()]
@@ -55,29 +63,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("soak-runs"))
     p.add_argument("--seed", type=int, default=0, help="draws of the signals and their moments")
     p.add_argument("--report", type=Path, default=None)
+    p.add_argument("--in-stages", action="store_true",
+                   help="draw each moment after the run's record appears (its stages), not over the whole "
+                        "process, whose start-up dominates a smoke run")
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     configs = [(m, int(s)) for s in args.seeds.split(",") for m in args.methods.split(",")]
 
-    twins: dict[tuple[str, int], tuple[Path, float]] = {}
+    twins: dict[tuple[str, int], tuple[Path, float, float]] = {}
     for method, seed in configs:
+        run_dir = args.out / "twins" / f"{method}-{seed}"
         t0 = time.monotonic()
-        subprocess.run(cl_bench(*run_args(method, seed, args.out / "twins", f"{method}-{seed}", args.epochs)),
-                       env=env, check=True, capture_output=True)
-        twins[(method, seed)] = (args.out / "twins" / f"{method}-{seed}", time.monotonic() - t0)
-        print(f"twin {method} seed {seed}: {twins[(method, seed)][1]:.1f}s", flush=True)
+        proc = subprocess.Popen(cl_bench(*run_args(method, seed, args.out / "twins", f"{method}-{seed}",
+                                                   args.epochs)), env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        record_at = _wait_for_record(proc, run_dir) - t0
+        if proc.wait() != 0:
+            raise SystemExit(f"twin {method} seed {seed} failed")
+        twins[(method, seed)] = (run_dir, time.monotonic() - t0, record_at)
+        print(f"twin {method} seed {seed}: {twins[(method, seed)][1]:.1f}s (record after {record_at:.1f}s)",
+              flush=True)
 
     rows, i = [], 0
     while sum(r["landed"] for r in rows) < args.runs and i < 3 * args.runs:  # a run may finish first
         method, seed = configs[i % len(configs)]
-        twin, seconds = twins[(method, seed)]
+        twin, seconds, record_at = twins[(method, seed)]
         run_id, sig_name = f"run-{i:02d}", rng.choice(sorted(SIGNALS))
-        at = rng.uniform(0.5, seconds)
+        run_dir = args.out / "soak" / run_id
         proc = subprocess.Popen(cl_bench(*run_args(method, seed, args.out / "soak", run_id, args.epochs)),
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if args.in_stages:  # the moment drawn from the run's own stages, after its record appeared
+            start = _wait_for_record(proc, run_dir)
+            at = rng.uniform(0.0, max(seconds - record_at, 0.1))
+        else:  # from the whole process, start-up and loading included
+            start, at = time.monotonic(), rng.uniform(0.5, seconds)
         try:
-            proc.wait(timeout=at)
+            proc.wait(timeout=max(start + at - time.monotonic(), 0.0))
             landed = False  # it finished first
         except subprocess.TimeoutExpired:
             proc.send_signal(SIGNALS[sig_name])
@@ -109,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     identical = sum(r["identical"] for r in landed)
     unresumable = [r["run"] for r in rows if not r["resumable"]]
     report = {"command": shlex.join(["python", "scripts/soak_interrupts.py", *(argv or sys.argv[1:])]),
+              "moments": "after the record appeared (the stages)" if args.in_stages else "the whole process",
+              "status_before": {str(k): sum(r["status_before"] == k for r in landed)
+                                for k in sorted({r["status_before"] for r in landed}, key=str)},
               "runs": len(landed), "identical": identical, "unresumable": unresumable,
               "finished_before_the_signal": len(rows) - len(landed),
               "restarted_before_a_record": sum(r["restarted"] for r in landed),
