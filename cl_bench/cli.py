@@ -173,9 +173,8 @@ def _launch(args) -> int:
     sees RANK in its environment and runs the command as one rank. SIGINT or SIGTERM
     to this process stops the launcher and every rank, and it returns only when all
     have exited (cl_bench/signals.py)."""
-    from cl_bench.backends.deepspeed_backend import free_port
-
     from cl_bench import signals
+    from cl_bench.backends.deepspeed_backend import free_port
 
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.nproc),
                 "--master_port", str(free_port()), "--no_local_rank", "--module", "cl_bench.cli"]
