@@ -18,7 +18,6 @@ command that started it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -28,7 +27,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
 
 @dataclass
@@ -67,20 +65,23 @@ def interrupt_on_signals(stop: Stop | None = None) -> Iterator[Stop]:
         if first:
             raise KeyboardInterrupt(signal.Signals(signum).name)
 
+    with _handling(handler):
+        yield stop
+
+
+@contextlib.contextmanager
+def _handling(handler) -> Iterator[None]:
+    """`handler` for SIGINT and SIGTERM while inside; the previous handlers after."""
     previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     try:
-        yield stop
+        yield
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
 
 
 def start_group(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-    """Start `argv` as the leader of a new process group; this process becomes the
-    reaper of its orphans (Linux), so that `wait_forwarding` sees every rank end even
-    after the launcher has exited."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    """Start `argv` as the leader of a new process group (its ranks join it)."""
     return subprocess.Popen(argv, env=env, start_new_session=True)
 
 
@@ -95,14 +96,10 @@ def wait_forwarding(proc: subprocess.Popen, grace: float = 60.0) -> tuple[int, S
         stop.signals.append(signum)
         _signal_group(proc.pid, signal.SIGTERM if len(stop.signals) == 1 else signal.SIGKILL)
 
-    previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
-    try:
+    with _handling(forward):
         code = proc.wait()
         if stop.fired:
-            _reap_group(proc.pid, grace)
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+            _wait_group(proc.pid, grace)
     return code, stop
 
 
@@ -132,22 +129,15 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def _reap_orphans() -> None:
-    with contextlib.suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0]:  # ranks re-parented to this process
-            pass
-
-
-def _reap_group(pgid: int, grace: float) -> None:
-    """Wait until group `pgid` is gone; after `grace` seconds kill it, and give up
-    5 seconds later."""
+def _wait_group(pgid: int, grace: float) -> None:
+    """Wait until group `pgid` is gone (orphaned ranks that exited are zombies of
+    whoever adopted them, which _group_alive does not count); after `grace` seconds
+    kill it, and give up 5 seconds later."""
     deadline, killed = time.monotonic() + grace, False
     while _group_alive(pgid):
-        _reap_orphans()
         if time.monotonic() > deadline:
             if killed:
                 break
             _signal_group(pgid, signal.SIGKILL)
             deadline, killed = time.monotonic() + 5, True
         time.sleep(0.1)
-    _reap_orphans()
