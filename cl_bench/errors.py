@@ -7,8 +7,13 @@ class UserError(Exception):
 
 
 def did_you_mean(name: str, choices) -> str:
-    """"did you mean 'x'? " for the closest of `choices`, or "" when none is close."""
+    """"did you mean 'x'? " for the closest of `choices` (a match but for case says
+    so), or "" when none is close."""
     import difflib
 
-    close = difflib.get_close_matches(name, list(choices), n=1)
+    choices = list(choices)
+    by_lower = {c.lower(): c for c in choices}
+    if name not in choices and name.lower() in by_lower:
+        return f"did you mean '{by_lower[name.lower()]}' (names are case-sensitive)? "
+    close = difflib.get_close_matches(name, choices, n=1)
     return f"did you mean '{close[0]}'? " if close else ""

@@ -14,25 +14,25 @@ from typing import Callable
 import torch
 from torch import nn
 
+from cl_bench.models.modes import device_of, eval_mode
+
 
 @torch.no_grad()
 def greedy_generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, eos_id: int,
                     pad_id: int, batch_size: int,
                     on_batch: Callable[[int], None] | None = None) -> list[list[int]]:
     """Greedy continuations (token ids, EOS excluded) for each prompt, in input order."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
+    device = device_of(model)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     outputs: list[list[int]] = [[] for _ in prompts]
-    for start in range(0, len(order), batch_size):
-        rows = order[start:start + batch_size]
-        for i, gen in zip(rows, _generate_batch(model, [prompts[i] for i in rows], max_new_tokens,
-                                                eos_id, pad_id, device)):
-            outputs[i] = gen
-        if on_batch is not None:
-            on_batch(len(rows))
-    model.train(was_training)
+    with eval_mode(model):
+        for start in range(0, len(order), batch_size):
+            rows = order[start:start + batch_size]
+            for i, gen in zip(rows, _generate_batch(model, [prompts[i] for i in rows], max_new_tokens,
+                                                    eos_id, pad_id, device)):
+                outputs[i] = gen
+            if on_batch is not None:
+                on_batch(len(rows))
     return outputs
 
 

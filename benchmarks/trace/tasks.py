@@ -3,10 +3,9 @@ and the named task orders (docs/PROTOCOL.md, "Data" and "Decoding and scoring").
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 
-from cl_bench.errors import UserError
+from cl_bench.errors import UserError, did_you_mean
 
 # Scorer names implemented in cl_bench.metrics.scorers.
 METRICS = ("accuracy", "first_char_accuracy", "rouge_l", "edit_similarity", "sari")
@@ -147,23 +146,12 @@ ORDERS: dict[str, list[str]] = {
 }
 
 
-def _suggest(name: str, valid: list[str] | tuple[str, ...]) -> str:
-    """' did you mean 'X'?' for a close or case-only match, else ''."""
-    by_lower = {v.lower(): v for v in valid}
-    if name.lower() in by_lower:
-        return f" did you mean {by_lower[name.lower()]!r} (names are case-sensitive)?"
-    close = difflib.get_close_matches(name, list(valid), n=3, cutoff=0.6)
-    if close:
-        return " did you mean " + " or ".join(repr(c) for c in close) + "?"
-    return ""
-
-
 def get_task(name: str) -> TaskSpec:
     """The TaskSpec called `name` (exact spelling), or a UserError with suggestions."""
     if name in TASKS:
         return TASKS[name]
     raise UserError(
-        f"unknown TRACE task {name!r};{_suggest(name, list(TASKS))} "
+        f"unknown TRACE task {name!r}; {did_you_mean(name, TASKS)}"
         f"valid tasks: {', '.join(TASKS)}"
     )
 
@@ -179,9 +167,9 @@ def resolve_order(order: str | list[str]) -> list[str]:
         names = [part.strip() for part in order.split(",")]
         # A single unknown word is more likely a misspelt order than a task.
         if len(names) == 1 and names[0] not in CL_TASKS:
-            hint = _suggest(names[0], list(ORDERS) + list(CL_TASKS))
+            hint = did_you_mean(names[0], list(ORDERS) + list(CL_TASKS))
             raise UserError(
-                f"unknown task order {order!r};{hint} named orders: {', '.join(ORDERS)}; "
+                f"unknown task order {order!r}; {hint}named orders: {', '.join(ORDERS)}; "
                 f"or give task names separated by commas from: {', '.join(CL_TASKS)}"
             )
     else:
@@ -204,7 +192,7 @@ def resolve_order(order: str | list[str]) -> list[str]:
             )
         if name not in CL_TASKS:
             raise UserError(
-                f"task order {order!r}: unknown task {name!r};{_suggest(name, CL_TASKS)} "
+                f"task order {order!r}: unknown task {name!r}; {did_you_mean(name, CL_TASKS)}"
                 f"valid tasks: {', '.join(CL_TASKS)}"
             )
     dupes = sorted({n for n in names if names.count(n) > 1})

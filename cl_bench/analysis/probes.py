@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from cl_bench.analysis.cka import linear_cka
+from cl_bench.models.modes import device_of, eval_mode
 from cl_bench.data import Encoder, collate
 
 
@@ -44,21 +45,19 @@ class RepresentationProbe:
     def features(self, model: nn.Module, encoder: Encoder, task) -> list[torch.Tensor]:
         """Per decoder layer, its output at the probe tokens of `task`: [tokens, d] fp32 (CPU)."""
         rows = [encoder.train_example(e.prompt, e.answer) for e in task.test[: self.n_examples]]
-        was_training = model.training
-        model.eval()
         per_layer: list[list[torch.Tensor]] = []
-        device = next(model.parameters()).device
-        for start in range(0, len(rows), self.batch_size):
-            batch = collate(rows[start:start + self.batch_size], encoder.tokenizer.pad_token_id)
-            out = model(input_ids=batch["input_ids"].to(device),
-                        attention_mask=batch["attention_mask"].to(device),
-                        output_hidden_states=True, use_cache=False)
-            keep = batch["attention_mask"].bool().to(device)  # (B, T)
-            for layer, hidden in enumerate(out.hidden_states[1:]):  # outputs of layers 0..L-1
-                if len(per_layer) <= layer:
-                    per_layer.append([])
-                per_layer[layer].append(hidden[keep].float().cpu())  # (tokens, d)
-        model.train(was_training)
+        device = device_of(model)
+        with eval_mode(model):
+            for start in range(0, len(rows), self.batch_size):
+                batch = collate(rows[start:start + self.batch_size], encoder.tokenizer.pad_token_id)
+                out = model(input_ids=batch["input_ids"].to(device),
+                            attention_mask=batch["attention_mask"].to(device),
+                            output_hidden_states=True, use_cache=False)
+                keep = batch["attention_mask"].bool().to(device)  # (B, T)
+                for layer, hidden in enumerate(out.hidden_states[1:]):  # outputs of layers 0..L-1
+                    if len(per_layer) <= layer:
+                        per_layer.append([])
+                    per_layer[layer].append(hidden[keep].float().cpu())  # (tokens, d)
         feats = [torch.cat(chunks) for chunks in per_layer]
         n = feats[0].shape[0]
         if n > self.max_tokens:

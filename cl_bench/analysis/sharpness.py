@@ -23,6 +23,7 @@ def expert_sharpness(model: nn.Module, batch: dict[str, torch.Tensor], iters: in
     similar size stalls power iteration. One backward per HVP: cost ~ layers x
     experts x iters backwards."""
     from cl_bench.method import lm_loss
+    from cl_bench.models.modes import eval_mode
     from cl_bench.models.moe import decoder_layers
 
     blocks = decoder_layers(model)
@@ -35,48 +36,46 @@ def expert_sharpness(model: nn.Module, batch: dict[str, torch.Tensor], iters: in
     flags = [p.requires_grad for p in params]
     for p in params:
         p.requires_grad_(True)
-    was_training = model.training
-    model.eval()  # no dropout; MoE layers skip the balancing loss
-    try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+    with eval_mode(model):  # no dropout; MoE layers skip the balancing loss
+        try:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        with sdpa_kernel(SDPBackend.MATH):  # fused attention kernels have no double backward
-            loss = lm_loss(model, batch)
-            grads = torch.autograd.grad(loss, params, create_graph=True)
-    finally:
-        for h in hooks:
-            h.remove()
-    keep = batch["attention_mask"].reshape(-1).bool()
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for n, (index, moe) in enumerate(chosen):
-        group = moe.groups[-1]
-        g_layer = grads[3 * n: 3 * n + 3]
-        p_layer = params[3 * n: 3 * n + 3]
-        x = inputs[index].reshape(-1, moe.d)[keep.to(inputs[index].device)]
-        _, _, picked = moe.route(x)
-        counts = torch.bincount(picked.reshape(-1), minlength=moe.n_experts)[-len(group):]
-        share = (counts.float() / picked.numel()).tolist()
-        for e in range(len(group)):
-            grad_norm = float(torch.sqrt(sum(g[e].float().square().sum() for g in g_layer)))
+            with sdpa_kernel(SDPBackend.MATH):  # fused attention kernels have no double backward
+                loss = lm_loss(model, batch)
+                grads = torch.autograd.grad(loss, params, create_graph=True)
+        finally:
+            for h in hooks:
+                h.remove()
+        keep = batch["attention_mask"].reshape(-1).bool()
+        gen = torch.Generator().manual_seed(seed)
+        out = []
+        for n, (index, moe) in enumerate(chosen):
+            group = moe.groups[-1]
+            g_layer = grads[3 * n: 3 * n + 3]
+            p_layer = params[3 * n: 3 * n + 3]
+            x = inputs[index].reshape(-1, moe.d)[keep.to(inputs[index].device)]
+            _, _, picked = moe.route(x)
+            counts = torch.bincount(picked.reshape(-1), minlength=moe.n_experts)[-len(group):]
+            share = (counts.float() / picked.numel()).tolist()
+            for e in range(len(group)):
+                grad_norm = float(torch.sqrt(sum(g[e].float().square().sum() for g in g_layer)))
 
-            def hvp(vec: torch.Tensor, e=e) -> torch.Tensor:  # H_ee vec, vec flat over expert e's weights
-                full = [torch.zeros_like(p) for p in p_layer]
-                offset = 0
-                for t in full:
-                    size = t[e].numel()
-                    t[e] = vec[offset:offset + size].view_as(t[e]).to(t)
-                    offset += size
-                hv = torch.autograd.grad(g_layer, p_layer, grad_outputs=full, retain_graph=True)
-                return torch.cat([h[e].reshape(-1).float() for h in hv])
+                def hvp(vec: torch.Tensor, e=e) -> torch.Tensor:  # H_ee vec, vec flat over expert e's weights
+                    full = [torch.zeros_like(p) for p in p_layer]
+                    offset = 0
+                    for t in full:
+                        size = t[e].numel()
+                        t[e] = vec[offset:offset + size].view_as(t[e]).to(t)
+                        offset += size
+                    hv = torch.autograd.grad(g_layer, p_layer, grad_outputs=full, retain_graph=True)
+                    return torch.cat([h[e].reshape(-1).float() for h in hv])
 
-            size = sum(p[e].numel() for p in p_layer)
-            eig, residual = _lanczos_top(hvp, torch.randn(size, generator=gen), iters)
-            out.append({"layer": index, "expert": moe.n_experts - len(group) + e, "token_share": share[e],
-                        "grad_norm": grad_norm, "top_hessian_eig": eig, "residual": residual})
-    for p, flag in zip(params, flags):
-        p.requires_grad_(flag)
-    model.train(was_training)
+                size = sum(p[e].numel() for p in p_layer)
+                eig, residual = _lanczos_top(hvp, torch.randn(size, generator=gen), iters)
+                out.append({"layer": index, "expert": moe.n_experts - len(group) + e, "token_share": share[e],
+                            "grad_norm": grad_norm, "top_hessian_eig": eig, "residual": residual})
+        for p, flag in zip(params, flags):
+            p.requires_grad_(flag)
     return out
 
 

@@ -15,7 +15,6 @@ Deviations from TRACE (each also noted where it applies):
     `rouge-score`, as the protocol asks.
 """
 
-import difflib
 import re
 from statistics import fmean
 from typing import Callable
@@ -23,7 +22,7 @@ from typing import Callable
 from rapidfuzz import fuzz
 from rouge_score import rouge_scorer
 
-from cl_bench.errors import UserError
+from cl_bench.errors import UserError, did_you_mean
 from cl_bench.metrics.sari import sentence_sari
 
 ItemScorer = Callable[[str, str, str | None], float]  # (prediction, answer, prompt) -> 0-100
@@ -193,10 +192,9 @@ EXTRA_METRICS: dict[str, dict[str, Callable[[list[str], list[str]], float]]] = {
 
 def _item_scorer(metric: str) -> ItemScorer:
     if metric not in _ITEM_SCORERS:
-        close = difflib.get_close_matches(metric, list(_ITEM_SCORERS), n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
         raise UserError(
-            f"unknown metric '{metric}'; {hint}available: {', '.join(sorted(_ITEM_SCORERS))}"
+            f"unknown metric '{metric}'; {did_you_mean(metric, _ITEM_SCORERS)}"
+            f"available: {', '.join(sorted(_ITEM_SCORERS))}"
         )
     return _ITEM_SCORERS[metric]
 
