@@ -32,9 +32,8 @@ import copy
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from cl_bench.data import IGNORE
+from cl_bench.distillation import distillation_kl
 from cl_bench.errors import UserError
 from cl_bench.method import Method, MethodArgs, Stage
 from cl_bench.registry import register_method
@@ -50,22 +49,6 @@ class LwFArgs(MethodArgs):
             raise UserError(f"method_args.lambda_kl={self.lambda_kl} must be >= 0")
         if self.temperature <= 0:
             raise UserError(f"method_args.temperature={self.temperature} must be > 0")
-
-
-def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
-                    labels: torch.Tensor, temperature: float) -> torch.Tensor:
-    """T² · KL(softmax(teacher/T) ‖ softmax(student/T)), summed over the vocabulary
-    and averaged over answer positions, in fp32.
-
-    student_logits, teacher_logits: (B, L, V); labels: (B, L), IGNORE off the answer.
-    """
-    answer = labels[:, 1:] != IGNORE  # (B, L-1): position i predicts token i+1
-    new = student_logits[:, :-1][answer].float() / temperature  # (N, V)
-    old = teacher_logits[:, :-1][answer].float() / temperature  # (N, V)
-    # kl_div(input, target) = Σ target·(log target − input) = KL(target ‖ input)
-    kl = F.kl_div(F.log_softmax(new, dim=-1), F.log_softmax(old, dim=-1), log_target=True,
-                  reduction="sum")
-    return temperature ** 2 * kl / max(int(answer.sum()), 1)
 
 
 @register_method("lwf")

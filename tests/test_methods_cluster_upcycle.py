@@ -19,8 +19,9 @@ from cl_bench import registry, results
 from cl_bench.config import resolve
 from cl_bench.data import Encoder, collate
 from cl_bench.errors import UserError
+from cl_bench.distillation import distillation_kl
 from cl_bench.method import MethodContext, Stage
-from cl_bench.methods.cluster_upcycle import (cluster_experts, dense_routing, drift_ladder, eesd_loss,
+from cl_bench.methods.cluster_upcycle import (cluster_experts, dense_routing, drift_ladder,
                                               slice_rank_cap)
 from cl_bench.methods.cluster_upcycle.whiten import energy_rank, spherical_kmeans, whitened_truncated_svd
 from cl_bench.models import moe
@@ -471,7 +472,7 @@ def test_teacher_is_the_ema_model_run_densely():
     assert not torch.allclose(teacher, logits(model, b), atol=1e-4)
 
 
-def test_eesd_loss_is_kl_teacher_to_student_on_answer_tokens():
+def test_eesd_is_the_distillation_kl_teacher_to_student_on_answer_tokens():
     g = torch.Generator().manual_seed(0)
     student = torch.randn(2, 6, 11, generator=g, requires_grad=True)
     teacher = torch.randn(2, 6, 11, generator=g)
@@ -482,7 +483,7 @@ def test_eesd_loss_is_kl_teacher_to_student_on_answer_tokens():
     s = torch.stack([student[i, j] for i, j in pos])
     t = torch.stack([teacher[i, j] for i, j in pos])
     want = F.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="batchmean")
-    got = eesd_loss(student, teacher, labels)
+    got = distillation_kl(student, teacher, labels, 1.0)
     torch.testing.assert_close(got, want)
     pt = t.softmax(-1)
     by_hand = (pt * (pt.log() - s.log_softmax(-1))).sum(-1).mean()
@@ -490,11 +491,11 @@ def test_eesd_loss_is_kl_teacher_to_student_on_answer_tokens():
     T = 2.0
     want_t = T ** 2 * F.kl_div((s / T).log_softmax(-1), (t / T).log_softmax(-1), log_target=True,
                                reduction="batchmean")
-    torch.testing.assert_close(eesd_loss(student, teacher, labels, T), want_t)
-    assert eesd_loss(student, student.detach(), labels).abs().item() < 1e-6
+    torch.testing.assert_close(distillation_kl(student, teacher, labels, T), want_t)
+    assert distillation_kl(student, student.detach(), labels, 1.0).abs().item() < 1e-6
     got.backward()
     assert student.grad[0, 0].abs().sum() == 0 and student.grad[0, 2].abs().sum() > 0
-    assert eesd_loss(student, teacher, torch.full((2, 6), -100)).item() == 0
+    assert distillation_kl(student, teacher, torch.full((2, 6), -100), 1.0).item() == 0
 
 
 def test_loss_adds_weighted_eesd_to_lm_and_balancing():

@@ -366,7 +366,7 @@ def test_lwf_kl_counts_only_answer_positions():
     labels = torch.full((B, L), IGNORE)
     labels[0, 3:5] = 1
     labels[1, 4:] = 2
-    from cl_bench.methods.lwf import distillation_kl
+    from cl_bench.distillation import distillation_kl
 
     value = distillation_kl(student, teacher, labels, T)
     # By hand: positions (0,2), (0,3), (1,3), (1,4) predict answer tokens.

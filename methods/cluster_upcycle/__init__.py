@@ -28,12 +28,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from cl_bench.distillation import distillation_kl
 from cl_bench.errors import UserError
 from cl_bench.method import Stage
 from cl_bench.methods.cluster_upcycle.clustering import add_centroid_groups, calibration_rows, forward_rows
 from cl_bench.methods.cluster_upcycle.experts import cluster_experts, drift_ladder, fit_group, slice_rank_cap
 from cl_bench.methods.cluster_upcycle.records import RoutingStats, rounded
-from cl_bench.methods.cluster_upcycle.teacher import (dense_routing, eesd_loss, ema_step, sync_ema,
+from cl_bench.methods.cluster_upcycle.teacher import (dense_routing, ema_step, sync_ema,
                                                       teacher_logits)
 from cl_bench.methods.upcycle import Upcycle, UpcycleArgs
 from cl_bench.models.moe import (UpcycledMoE, decoder_layers, load_balancing_loss, moe_layers,
@@ -41,7 +42,7 @@ from cl_bench.models.moe import (UpcycledMoE, decoder_layers, load_balancing_los
 from cl_bench.registry import register_method
 
 __all__ = ["ClusterUpcycle", "ClusterUpcycleArgs", "cluster_experts", "dense_routing", "drift_ladder",
-           "eesd_loss", "slice_rank_cap"]
+           "slice_rank_cap"]
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +217,7 @@ class ClusterUpcycle(Upcycle):
         lb = load_balancing_loss(self.model)
         total, parts = lm + lb, {"lm": lm.item(), "lb": lb.item()}
         if teacher is not None:
-            kl = eesd_loss(out.logits, teacher, batch["labels"], a.eesd_temperature)
+            kl = distillation_kl(out.logits, teacher, batch["labels"], a.eesd_temperature)
             total = total + a.eesd_weight * kl
             parts["eesd"] = kl.item()
         return total, parts

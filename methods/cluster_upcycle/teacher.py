@@ -2,7 +2,7 @@
 (EESD; docs/methods/cluster-upcycle.md, step 5): the model with an EMA of what
 trains substituted, run with every MoE layer dense (top-k = E).
 
-Formulas:
+Formulas (L_EESD is cl_bench.distillation.distillation_kl):
     L_EESD = T^2 * mean over answer tokens of KL(p_teacher || p_student), p = softmax(logits / T)
     y_ens = sum_i g_i^ema E_i^ema(x);  theta_ema <- d theta_ema + (1 - d) theta after every step
 Source: cluster-aware upcycling (CAU, CVPR 2026, arXiv 2604.13508; no code).
@@ -20,24 +20,7 @@ import contextlib
 import torch
 from torch import nn
 
-from cl_bench.data import IGNORE
 from cl_bench.models.moe import load_balancing_loss, moe_layers
-
-
-def eesd_loss(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor,
-              temperature: float = 1.0) -> torch.Tensor:
-    """T^2 * mean over answer tokens of KL(p_teacher || p_student), p = softmax(logits / T),
-    in fp32. student, teacher: (B, T, V) logits; labels: (B, T), -100 off the answer.
-    Logits at position i predict token i + 1, so position i counts when labels[i + 1]
-    is an answer token (as the LM loss)."""
-    mask = labels[:, 1:] != IGNORE  # (B, T-1)
-    if not bool(mask.any()):
-        return student.sum() * 0.0
-    s = student[:, :-1][mask].float() / temperature  # (n, V)
-    t = teacher[:, :-1][mask].float() / temperature
-    log_t = t.log_softmax(dim=-1)
-    kl = (log_t.exp() * (log_t - s.log_softmax(dim=-1))).sum(dim=-1)  # (n,)
-    return kl.mean() * temperature ** 2
 
 
 @contextlib.contextmanager
