@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from cl_bench.config import RunConfig, coerce
+from cl_bench.data import Encoder
 from cl_bench.errors import UserError, did_you_mean
 
 
@@ -55,10 +56,20 @@ class Phase:
 
 @dataclass
 class MethodContext:
+    """What the harness gives a method: the run's config, device, tokenizer, the
+    encoder it batches with (prompt/answer -> ids and labels), all tasks in order,
+    and the number of stages the method planned (set once `plan` has run)."""
+
     config: RunConfig
     device: torch.device
     tokenizer: Any
     all_tasks: list = field(default_factory=list)  # list[TaskData] in order
+    encoder: Encoder | None = None
+    n_stages: int | None = None
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id
 
 
 class Method:

@@ -151,10 +151,12 @@ def _prepare_locked(config, resume_dir, run_dir, record, method_cls, method_args
     device = backend.device
     loaded = load(config.model, config.seed, device, progress=progress and backend.is_main)
     encoder = Encoder.from_config(loaded.tokenizer, config.train)
-    ctx = MethodContext(config=config, device=device, tokenizer=loaded.tokenizer, all_tasks=tasks)
+    ctx = MethodContext(config=config, device=device, tokenizer=loaded.tokenizer, all_tasks=tasks,
+                        encoder=encoder)
     method = method_cls(method_args, ctx)
     method.setup(loaded.model)
     stages = method.plan(tasks)
+    ctx.n_stages = len(stages)
 
     if resume_dir is None or restart:
         backend.on_main(lambda: run_dir.mkdir(parents=True, exist_ok=True))
