@@ -5,7 +5,6 @@ and exit code 2 (a traceback only with --debug).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -13,72 +12,11 @@ import shlex
 import sys
 from pathlib import Path
 
+from cl_bench.cli_parser import RUN_CONFIG_FLAGS, build_parser, run_overrides
 from cl_bench.errors import UserError
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-
-
-def _kv(text: str) -> tuple[str, str]:
-    if "=" not in text:
-        raise argparse.ArgumentTypeError(f"'{text}' is not key=value")
-    key, value = text.split("=", 1)
-    return key.strip(), value.strip()
-
-
-def _add_run(sub) -> None:
-    p = sub.add_parser("run", help="train a method over a TRACE task sequence and score it",
-                       description="Train a continual-learning method task after task, evaluate "
-                                   "after each stage, and write <output-dir>/<run-id>/run.json.")
-    p.add_argument("--method", help="method name (see `cl-bench list`); default seqft")
-    p.add_argument("--model", help="smollm2-135m | tiny-llama | a local HF directory | a hub id")
-    p.add_argument("--profile", help="smoke | cpu | paper (default: the config file's, else cpu)")
-    p.add_argument("--config", type=Path, help="YAML file of config fields (profile <- file <- flags)")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--data-dir", help="TRACE data root (default: $CL_BENCH_DATA, then conventional places)")
-    p.add_argument("--order", help="paper6 | trace8 | comma-separated task names")
-    p.add_argument("--n-train", type=int, help="training examples per task")
-    p.add_argument("--n-test", type=int, help="test examples per task")
-    p.add_argument("--output-dir", help="where run folders go (default runs/)")
-    p.add_argument("--run-id", help="the run folder's name (default <method>-<time>-<random>)")
-    p.add_argument("--method-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE",
-                   help="a method argument (repeatable); see `cl-bench list --verbose`")
-    p.add_argument("--set", type=_kv, action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="any config field, e.g. train.epochs=2 (repeatable)")
-    p.add_argument("--eval-all", action="store_true",
-                   help="evaluate every task at every stage plus a zero-shot row (for FWT)")
-    p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue an interrupted run")
-    p.add_argument("--keep-checkpoint", action="store_true",
-                   help="keep the last checkpoint (weights, optimiser) after the run completes")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--backend", choices=["torch", "deepspeed"],
-                   help="torch: one process (default); deepspeed: ZeRO-2/3 over --nproc ranks")
-    p.add_argument("--zero", type=int, choices=[2, 3], help="deepspeed: the ZeRO stage (default 2)")
-    p.add_argument("--nproc", type=int, metavar="N",
-                   help="deepspeed: start N ranks on this machine through DeepSpeed's launcher "
-                        "(one per GPU; without it, the ranks of an outer deepspeed/torchrun launch, else 1)")
-
-
-def _overrides(args) -> dict:
-    from cl_bench.config import set_dotted
-
-    raw: dict = {}
-    for key in ("method", "model", "profile", "seed", "output_dir", "run_id", "backend"):
-        if getattr(args, key) is not None:
-            raw[key] = getattr(args, key)
-    data = {key: getattr(args, key) for key in ("data_dir", "order", "n_train", "n_test")
-            if getattr(args, key) is not None}
-    if data:
-        raw["data"] = data
-    if args.eval_all:
-        raw.setdefault("eval", {})["eval_all"] = True
-    if args.zero is not None:
-        raw.setdefault("deepspeed", {})["zero"] = args.zero
-    if args.method_arg:
-        raw["method_args"] = dict(args.method_arg)
-    for key, value in args.set:
-        set_dotted(raw, key, value)
-    return raw
 
 
 def cmd_run(args) -> int:
@@ -93,12 +31,13 @@ def cmd_run(args) -> int:
 
 def _run(args, stop) -> int:
     from cl_bench import config as cfg
-    from cl_bench import sequencer
+    from cl_bench.prepare import prepare
     from cl_bench.report import format_matrix
+    from cl_bench.sequencer import execute
 
     config = None
     if args.resume is None:
-        overrides = _overrides(args)  # its --profile, if given, beats the file's `profile:`
+        overrides = run_overrides(args)  # its --profile, if given, beats the file's `profile:`
         config = cfg.resolve("cpu", args.config, overrides)
     else:
         given = [f"--{key.replace('_', '-')}" for key in RUN_CONFIG_FLAGS
@@ -106,25 +45,24 @@ def _run(args, stop) -> int:
         if given:
             raise UserError(f"--resume continues a run with its recorded config; drop {', '.join(given)} "
                             f"(to change them, start a new run)")
-    if args.nproc is not None and _must_launch(args, config):
-        return _launch(args)  # this process starts the ranks; each runs this command
+    if args.nproc is not None:
+        from cl_bench.backends.launch import launch, must_launch
+
+        if must_launch(args, config):  # this process starts the ranks; each runs this command
+            code, interrupted = launch(args)
+            return EXIT_INTERRUPTED if interrupted else code
     stop.check()
-    run = sequencer.prepare(config, args.resume, progress=not args.no_progress, command=args.command_line)
+    run = prepare(config, args.resume, progress=not args.no_progress, command=args.command_line)
     try:
-        record = sequencer.execute(run, keep_checkpoint=args.keep_checkpoint, stop=stop)
+        record = execute(run, keep_checkpoint=args.keep_checkpoint, stop=stop)
     except KeyboardInterrupt:
         if run.backend.is_main:
             print(f"\n{_interrupted(run)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     if run.backend.is_main:
-        print(format_matrix(record, record.get("intervals")))
+        print(format_matrix(record, record.intervals))
         print(f"\nrun record: {run.run_dir / 'run.json'}")
     return 0
-
-
-# Flags of `run` that set config fields; --resume keeps the recorded config and refuses them.
-RUN_CONFIG_FLAGS = ("method", "model", "profile", "config", "seed", "data_dir", "order", "n_train", "n_test",
-                    "output_dir", "run_id", "method_arg", "set", "eval_all", "backend", "zero")
 
 
 def _interrupted(run) -> str:
@@ -133,54 +71,10 @@ def _interrupted(run) -> str:
     from cl_bench.results import has_checkpoint
 
     again = f"cl-bench run --resume {run.run_dir}"
-    done, total = run.record.get("stages_done", 0), len(run.stages)
+    done, total = run.record.stages_done, len(run.stages)
     if has_checkpoint(run.run_dir):
         return f"interrupted; {done} of {total} stages are saved; continue with: {again}"
     return f"interrupted before the first stage was saved; nothing to keep; start it again with: {again}"
-
-
-def _must_launch(args, config) -> bool:
-    """--nproc N: whether this process must start the N ranks (False: it is one of
-    them). Everything checkable is checked here, once, before N processes start."""
-    from cl_bench import registry
-    from cl_bench.backends import check_support
-    from cl_bench.config import build
-    from cl_bench.results import RUN_FILE, read_record
-    from cl_bench.sequencer import _resumable
-
-    if args.nproc < 1:
-        raise UserError(f"--nproc {args.nproc}: give at least 1 rank")
-    if config is None:
-        record = _resumable(read_record(args.resume), args.resume)
-        config = build(record["config"], f"{args.resume / RUN_FILE}: config")
-    if config.backend != "deepspeed":
-        raise UserError("--nproc starts ranks of the deepspeed backend; add --backend deepspeed")
-    if "RANK" in os.environ:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world != args.nproc:
-            raise UserError(f"--nproc {args.nproc} inside a launch of {world} ranks; drop --nproc "
-                            f"or launch {args.nproc}")
-        return False
-    check_support(registry.get(config.method), config)
-    from cl_bench.backends.deepspeed_backend import ds_config
-
-    ds_config(config, args.nproc, False)  # a conflicting DeepSpeed config file fails here, once
-    return True
-
-
-def _launch(args) -> int:
-    """Start --nproc ranks of this same command through DeepSpeed's launcher; each
-    sees RANK in its environment and runs the command as one rank. SIGINT or SIGTERM
-    to this process stops the launcher and every rank, and it returns only when all
-    have exited (cl_bench/signals.py)."""
-    from cl_bench import signals
-    from cl_bench.backends.deepspeed_backend import free_port
-
-    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.nproc),
-                "--master_port", str(free_port()), "--no_local_rank", "--module", "cl_bench.cli"]
-    env = {**os.environ, "CL_BENCH_COMMAND": args.command_line}
-    code, stop = signals.wait_forwarding(signals.start_group([*launcher, *args.argv], env))
-    return EXIT_INTERRUPTED if stop.fired else code  # the ranks said what the interrupt left
 
 
 def cmd_show(args) -> int:
@@ -310,13 +204,35 @@ def _read_predictions(path: Path, task: str, stage: int | None) -> list[dict]:
 
 
 def cmd_params(args) -> int:
-    from cl_bench.models.params import format_schedule, load_decisions, params_command
+    from cl_bench.models.params import format_schedule, params_command
 
-    decisions = load_decisions(args.decisions) if args.decisions is not None else None
+    decisions = _decision_map(args.decisions) if args.decisions is not None else None
     rows = params_command(args.model, args.method, args.tasks, dict(args.method_arg),
                           decisions=decisions, experts_per_layer=args.experts_per_layer)
     print(json.dumps(rows, indent=2) if args.json else format_schedule(rows))
     return 0
+
+
+def _decision_map(path: Path) -> list:
+    """--decisions: a run record (its folder, or its run.json), read by the one
+    reader: each stage's diagnostics "decisions"; otherwise a map file
+    (models.params.load_decisions)."""
+    from cl_bench.models.params import load_decisions
+    from cl_bench.results import RUN_FILE, read_record
+
+    if not path.is_dir():
+        try:
+            data = json.loads(path.read_text(encoding="utf-8")) if path.name == RUN_FILE else None
+        except (OSError, ValueError):
+            data = None  # load_decisions says what is wrong with it
+        if not (isinstance(data, dict) and "schema_version" in data):
+            return load_decisions(path)
+    record = read_record(path if path.is_dir() else path.parent)
+    decisions = [p.diagnostics.get("decisions") for p in record.params]
+    if any(d is None for d in decisions[1:]):
+        raise UserError(f"--decisions {path}: the record has stages without decisions "
+                        f"(its method records no Expand / Recycle decisions?)")
+    return decisions
 
 
 def cmd_perf(args) -> int:
@@ -337,80 +253,6 @@ def _save(args, result: dict) -> None:
 
         args.output.parent.mkdir(parents=True, exist_ok=True)
         write_json(args.output, {"command": args.command_line, **result})
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cl-bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    # `deepspeed script.py ARGS` passes --local_rank=N before ARGS; the rank comes from the environment
-    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_run(sub)
-    p = sub.add_parser("show", help="print a run's matrix and summary from its record")
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
-    p = sub.add_parser("compare", help="paired differences between runs over the same test items",
-                       description="Each run against the first: the difference in every summary with its "
-                                   "95%% paired-bootstrap interval and p-value. Runs whose tasks, test items "
-                                   "or budgets differ are refused.")
-    p.add_argument("runs", type=Path, nargs="+", metavar="RUN_DIR", help="the baseline first, then the others")
-    p.add_argument("--format", choices=["table", "json"], default="table")
-    p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples (default 1000)")
-    p.add_argument("--output", type=Path, help="also write the result as JSON here")
-    p = sub.add_parser("list", help="list methods with one-line descriptions")
-    p.add_argument("--verbose", "-v", action="store_true", help="also show each method's arguments")
-    p = sub.add_parser("leaderboard", help="tables from run records")
-    p.add_argument("--runs", type=Path, default=Path("results"), help="folder of run folders")
-    p.add_argument("--format", choices=["md", "csv", "latex"], default="md")
-    p.add_argument("--update-readme", type=Path, metavar="README",
-                   help="also write the Markdown table between the section's markers of README")
-    p.add_argument("--section", default="leaderboard",
-                   help="README markers <!-- SECTION:begin --> / <!-- SECTION:end --> (default leaderboard)")
-    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
-                   help="skip run folders matching GLOB, relative to --runs (repeatable), e.g. 'sweeps/*'")
-    p.add_argument("--include", action="append", default=[], metavar="GLOB",
-                   help="only run folders matching GLOB (repeatable), e.g. 'bilevel-cka-*'")
-    p = sub.add_parser("analyze", help="figures from a run record (heatmap, decisions, CKA, sharpness), "
-                                       "written beside it")
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
-    p.add_argument("--against", type=Path, metavar="OTHER_RUN",
-                   help="also compare step time and peak memory with this run (cost-vs-<id>.json)")
-    p.add_argument("--from-stage", type=int, default=0, metavar="B",
-                   help="--against: compare stages B.. (0-based; 1 skips a first task both train alike)")
-    p.add_argument("--calibrate-stage", type=int, metavar="B",
-                   help="--against: a stage both runs compute identically; ratios also divided by its "
-                        "ratio, cancelling a difference in machine load")
-    p = sub.add_parser("score", help="score predictions made elsewhere")
-    p.add_argument("--task", required=True, help="TRACE task name, e.g. 20Minuten")
-    p.add_argument("--predictions", type=Path, required=True,
-                   help='JSONL, one {"prompt", "prediction", "answer"} per line')
-    p.add_argument("--stage", type=int, help="with cl-bench's predictions.jsonl: which stage")
-    p = sub.add_parser("params", help="parameter counts per stage of a method's schedule, no training")
-    p.add_argument("--model", required=True, help="llama-3.2-1b | llama-3.2-3b | tiny-llama")
-    p.add_argument("--method", required=True)
-    p.add_argument("--tasks", type=int, required=True)
-    p.add_argument("--method-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE")
-    grown = p.add_mutually_exclusive_group()
-    grown.add_argument("--decisions", type=Path, metavar="FILE",
-                       help="methods that decide Expand / Recycle (bilevel-cka): count this decision map, "
-                            "JSON [task][layer][slot] of 0/1 for tasks 1..T-1, or a run.json; default: "
-                            "the upper bound, every decision Expand")
-    grown.add_argument("--experts-per-layer", type=float, metavar="X",
-                       help="as --decisions, from the mean experts per MoE layer after the last task "
-                            "(e.g. a paper's 17.8), expansions spread evenly over tasks and layers")
-    p.add_argument("--json", action="store_true")
-    p = sub.add_parser("perf", help="measure generation speed-up, harness overhead, MoE dispatch, "
-                                    "the loss upcycling adds before training, deepspeed's per-step cost, or fp32 against bf16")
-    p.add_argument("what", choices=["generation", "harness", "moe", "upcycle-gap", "deepspeed", "precision"])
-    p.add_argument("--method", help="harness, deepspeed: the method whose stage is timed (default: the baseline)")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--task", help="task(s) or order; default NumGLUE-ds (upcycle-gap: paper6)")
-    p.add_argument("--n", type=int, default=32, help="prompts (generation) or examples (harness)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--data-dir")
-    p.add_argument("--output", type=Path, help="also write the result as JSON here")
-    return parser
 
 
 COMMANDS = {"run": cmd_run, "show": cmd_show, "compare": cmd_compare, "list": cmd_list, "leaderboard": cmd_leaderboard,

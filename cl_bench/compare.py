@@ -18,6 +18,7 @@ from cl_bench import results
 from cl_bench.errors import UserError
 from cl_bench.intervals import SEED, SUMMARIES, ItemTable, point_summaries, replicates
 from cl_bench.metrics import bootstrap
+from cl_bench.record import RunRecord
 from cl_bench.report import SUMMARY_NAMES
 
 # Config fields that fix a run's budget: two runs compared must agree on all of them.
@@ -35,26 +36,26 @@ def _get(d: dict, keys: tuple[str, ...]):
     return d
 
 
-def differences(a: dict, b: dict, items: bool = True) -> list[str]:
+def differences(a: RunRecord, b: RunRecord, items: bool = True) -> list[str]:
     """What makes records `a` and `b` incomparable item by item: tasks, the test
     items or training subset of a task (unless `items` is False: runs of other
     seeds), or a budget field; [] when none."""
-    if a["tasks"] != b["tasks"]:
-        return [f"tasks: {','.join(a['tasks'])} vs {','.join(b['tasks'])}"]
+    if a.tasks != b.tasks:
+        return [f"tasks: {','.join(a.tasks)} vs {','.join(b.tasks)}"]
     out = []
-    for task in a["tasks"] if items else []:
+    for task in a.tasks if items else []:
         for split, what in (("test", "test items"), ("train", "training subset")):
-            pa, pb = (_get(r, ("data", task, split)) or {} for r in (a, b))
+            pa, pb = (_get(r.data, (task, split)) or {} for r in (a, b))
             if (pa.get("indices"), pa.get("sha256")) != (pb.get("indices"), pb.get("sha256")):
-                out.append(f"{task}: {what} differ (seed {a['seed']} vs {b['seed']}, or other data)")
+                out.append(f"{task}: {what} differ (seed {a.seed} vs {b.seed}, or other data)")
     for keys in BUDGET_FIELDS:
-        va, vb = _get(a["config"], keys), _get(b["config"], keys)
+        va, vb = _get(a.config, keys), _get(b.config, keys)
         if va != vb:
             out.append(f"{'.'.join(keys)}: {va!r} vs {vb!r}")
     return out
 
 
-def _table(run_dir: Path, record: dict) -> ItemTable:
+def _table(run_dir: Path, record: RunRecord) -> ItemTable:
     predictions = results.read_jsonl(run_dir / results.PREDICTIONS_FILE)
     if not predictions:
         raise UserError(f"{run_dir}: no {results.PREDICTIONS_FILE}, so no item scores to compare; "
@@ -92,8 +93,8 @@ def compare(run_dirs: list[Path], resamples: int = bootstrap.RESAMPLES) -> dict[
                 continue
             rows[name] = {"run": a, "baseline": b,
                           **bootstrap.paired_difference(reps[name], base_reps[name], a - b)}
-        out.append({"run": str(d), "method": rec["method"], "summaries": rows})
-    return {"baseline": str(run_dirs[0]), "baseline_method": base_rec["method"], "resamples": resamples,
+        out.append({"run": str(d), "method": rec.method, "summaries": rows})
+    return {"baseline": str(run_dirs[0]), "baseline_method": base_rec.method, "resamples": resamples,
             "seed": SEED, "level": bootstrap.LEVEL, "comparisons": out}
 
 

@@ -19,6 +19,7 @@ from cl_bench import results
 from cl_bench.metrics import bootstrap
 from cl_bench.metrics.answer_form import RULES, well_formed
 from cl_bench.metrics.cl import bwt_split, summarise
+from cl_bench.record import RunRecord
 
 SUMMARIES = ("last_acc", "stage_acc", "bwt", "fwt", "forgetting", "learn_gain", "bwt_format", "bwt_content")
 SEED = 0  # the bootstrap's own seed: fixed, so every run of the same items shares its draws
@@ -36,8 +37,8 @@ class ItemTable:
     forms: dict[tuple[int, int], np.ndarray]
 
     @classmethod
-    def from_run(cls, record: dict, predictions: list[dict]) -> "ItemTable":
-        tasks = record["tasks"]
+    def from_run(cls, record: RunRecord, predictions: list[dict]) -> "ItemTable":
+        tasks = record.tasks
         col = {name: j for j, name in enumerate(tasks)}
         groups: dict[tuple[int, int], list[dict]] = {}
         for row in predictions:
@@ -55,7 +56,7 @@ class ItemTable:
             if tasks[j] in RULES:
                 forms[b, j] = np.array(well_formed(tasks[j], [r["prediction"] for r in rows],
                                                    [r["prompt"] for r in rows]), float)
-        return cls(tasks, len(record["matrix"]), [i or [] for i in items], scores, forms)
+        return cls(tasks, len(record.matrix), [i or [] for i in items], scores, forms)
 
     def matrices(self, idx: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                                                                       np.ndarray]:
@@ -96,7 +97,7 @@ def _nan_to_none(a: np.ndarray) -> list:
     return [[None if np.isnan(v) else float(v) for v in row] for row in np.atleast_2d(a)]
 
 
-def run_intervals(record: dict, predictions: list[dict], resamples: int = bootstrap.RESAMPLES,
+def run_intervals(record: RunRecord, predictions: list[dict], resamples: int = bootstrap.RESAMPLES,
                   seed: int = SEED) -> dict[str, Any]:
     """The run's point estimates with 95% intervals: every cell of R and of the
     zero-shot row, every summary, the answer-form share of every cell, and BWT's
@@ -124,11 +125,11 @@ def run_intervals(record: dict, predictions: list[dict], resamples: int = bootst
     }
 
 
-def record_intervals(record: dict, run_dir) -> dict[str, Any] | None:
+def record_intervals(record: RunRecord, run_dir) -> dict[str, Any] | None:
     """The record's stored intervals, else computed from the run's predictions
     (a record made before intervals existed, or a run still going); None when
     the run has no predictions yet."""
-    if record.get("intervals"):
-        return record["intervals"]
+    if record.intervals:
+        return record.intervals
     predictions = results.read_jsonl(Path(run_dir) / results.PREDICTIONS_FILE)
     return run_intervals(record, predictions) if predictions else None

@@ -1,6 +1,6 @@
 """Run records -> leaderboard tables (Markdown, CSV, LaTeX), mean ± std over seeds.
 
-Reads `<runs_dir>/**/run.json` (schema_version 1), groups runs by
+Reads `<runs_dir>/**/run.json` (results.read_record, any schema version), groups runs by
 (method, method arguments, model id, profile, task order, reference),
 aggregates, and formats. Where one method appears with several argument sets
 (a sweep), its rows are labelled with the arguments that differ.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -26,6 +27,7 @@ from cl_bench.compare import differences
 from cl_bench.errors import UserError
 from cl_bench.intervals import ItemTable, point_summaries, replicates
 from cl_bench.metrics import bootstrap
+from cl_bench.record import RunRecord
 from cl_bench.results import PREDICTIONS_FILE, atomic_write_text, read_jsonl, read_record
 
 log = logging.getLogger(__name__)
@@ -36,15 +38,15 @@ MISSING = "–"  # en dash, for md and latex; csv leaves the cell empty
 # (record field under "summary", column stem); each gets "<stem> mean" and "<stem> std"
 # learn_gain: mean over tasks of R[j][j] - zero-shot (runs with the zero-shot row)
 SCORES = (("last_acc", "Last Acc"), ("stage_acc", "Stage Acc"), ("bwt", "BWT"), ("learn_gain", "Gain"))
-# (field of the last stage's params report, column)
+# (field of the last stage's ParamReport, column)
 PARAMS = (
     ("total", "Total params"),
     ("trainable", "Trainable"),
     ("active_per_token", "Active/token"),
     ("deployed", "Deployed"),
 )
-# Added: deployed minus the base model's parameters; Expansion: the mean over stages of a
-# method's reported expansion_rate (share of candidate experts expanded), where it reports one
+# Added: deployed minus the base model's parameters; Expansion: the mean over stages of the
+# ParamReport's expansion_rate (share of candidate experts expanded), where the method reports one
 EXTRA = ["Added", "Expansion"]
 COUNTS = [col for _, col in PARAMS] + ["Added"]  # parameter counts: integers, shown as 134.5M
 GROUP_KEYS = ["Method", "Args", "Model", "Profile", "Order", "Reference"]
@@ -59,13 +61,13 @@ COLUMNS = (
 )
 
 
-def load_runs(runs_dir: Path, exclude: list[str] = (), include: list[str] = ()) -> list[dict]:
+def load_runs(runs_dir: Path, exclude: list[str] = (), include: list[str] = ()) -> list[RunRecord]:
     """Every complete run under runs_dir (recursive), parsed, sorted by path,
     except run folders matching a glob of `exclude` (relative to runs_dir); with
     `include`, only run folders matching one of its globs.
 
-    Each returned dict gains "_path" (the run.json it came from) so later errors
-    can name the file. Incomplete runs are skipped with a warning.
+    Each record's `source` is the run.json it came from, so later errors can name
+    the file. Incomplete runs are skipped with a warning.
     """
     runs_dir = Path(runs_dir)
     if not runs_dir.is_dir():
@@ -79,12 +81,10 @@ def load_runs(runs_dir: Path, exclude: list[str] = (), include: list[str] = ()) 
     runs, skipped = [], []
     for path in paths:
         run = read_record(path.parent)
-        if run.get("status") != "complete":
-            log.warning("skipping %s: status is %r, not 'complete'", path, run.get("status"))
+        if run.status != "complete":
+            log.warning("skipping %s: status is %r, not 'complete'", path, run.status)
             skipped.append(str(path))
             continue
-        run["_path"] = str(path)
-        run["_items"] = _items(run)
         runs.append(run)
     if not runs:
         raise UserError(
@@ -101,60 +101,68 @@ def _matches(folder: Path, globs) -> bool:
     return any(fnmatch.fnmatch(name, g) for name in names for g in globs)
 
 
-def _field(run: dict, *keys: str):
-    """run[k0][k1]..., or a UserError naming the file and the missing field."""
-    value = run
-    for key in keys:
-        if not isinstance(value, dict) or key not in value:
-            raise UserError(f"{run.get('_path', '<run>')}: missing field {'.'.join(keys)}; the record is incomplete")
-        value = value[key]
+@dataclass
+class _Entry:
+    """One run of the table: its record and its item table (None: no predictions)."""
+
+    record: RunRecord
+    items: ItemTable | None
+
+
+def _field(run: RunRecord, *keys: str):
+    """run.k0[k1]..., or a UserError naming the file and the missing field."""
+    value = getattr(run, keys[0])
+    for key in keys[1:]:
+        value = value.get(key) if isinstance(value, dict) else None
+    if value is None:
+        raise UserError(f"{run.source or '<run>'}: missing field {'.'.join(keys)}; the record is incomplete")
     return value
 
 
-def _flatten(run: dict) -> dict:
+def _flatten(entry: _Entry) -> dict:
     """One run -> one flat row of raw numbers (None where the record has null)."""
-    tasks = _field(run, "tasks")
+    run = entry.record
+    tasks = run.tasks
     summary = _field(run, "summary")
-    params = run.get("params") or []
-    last = max(params, key=lambda p: p.get("stage", -1)) if params else {}
-    total_s = (run.get("timing") or {}).get("total_s")
+    last = max(run.params, key=lambda p: p.stage) if run.params else None
+    total_s = run.timing.total_s
     row = {
-        "Method": _field(run, "method"),
-        "Args": json.dumps(run.get("method_args") or {}, sort_keys=True),
+        "Method": run.method,
+        "Args": json.dumps(run.method_args, sort_keys=True),
         "Model": _field(run, "model", "id"),
         "Profile": _field(run, "profile"),
         "Order": ",".join(tasks),
-        "Reference": bool(run.get("reference", False)),
+        "Reference": run.reference,
         "Tasks": len(tasks),
-        "Seed": run.get("seed"),
+        "Seed": run.seed,
         "Wall time (min)": None if total_s is None else total_s / 60,
     }
     # a summary the record predates (learn_gain) comes from its predictions
-    point = point_summaries(run["_items"]) if run.get("_items") is not None else {}
+    point = point_summaries(entry.items) if entry.items is not None else {}
     row.update({stem: summary[key] if key in summary else point.get(key) for key, stem in SCORES})
-    row.update({col: last.get(key) for key, col in PARAMS})
-    base = (run.get("model") or {}).get("n_params")
-    row["Added"] = None if base is None or last.get("deployed") is None else last["deployed"] - base
-    rates = [p["expansion_rate"] for p in params if p.get("expansion_rate") is not None]
+    row.update({col: None if last is None else getattr(last, key) for key, col in PARAMS})
+    base = run.model.get("n_params")
+    row["Added"] = None if base is None or last is None or last.deployed is None else last.deployed - base
+    rates = [p.expansion_rate for p in run.params if p.expansion_rate is not None]
     row["Expansion"] = sum(rates) / len(rates) if rates else None
     return row
 
 
-def _items(run: dict) -> ItemTable | None:
+def _items(run: RunRecord) -> ItemTable | None:
     """The run's item table from its predictions; None when the run folder has none
     (a record copied without them)."""
-    predictions = read_jsonl(Path(run["_path"]).parent / PREDICTIONS_FILE)
+    predictions = read_jsonl(Path(run.source).parent / PREDICTIONS_FILE) if run.source else []
     return ItemTable.from_run(run, predictions) if predictions else None
 
 
-def _run_replicates(run: dict) -> dict | None:
+def _run_replicates(entry: _Entry) -> dict | None:
     """Bootstrap replicates of the run's summaries from its predictions."""
-    return None if run.get("_items") is None else replicates(run["_items"], bootstrap.RESAMPLES)
+    return None if entry.items is None else replicates(entry.items, bootstrap.RESAMPLES)
 
 
-def _group_replicates(runs: list[dict]) -> dict | None:
+def _group_replicates(entries: list[_Entry]) -> dict | None:
     """One group's replicates: its run's, or pooled over its runs (seeds) in seed order."""
-    reps = [_run_replicates(r) for r in sorted(runs, key=lambda r: r.get("seed") or 0)]
+    reps = [_run_replicates(e) for e in sorted(entries, key=lambda e: e.record.seed or 0)]
     if not reps or any(r is None for r in reps):
         return None
     if len(reps) == 1:
@@ -169,16 +177,16 @@ def _is_baseline(method: str) -> bool:
         return False
 
 
-def _distinct(a: dict | None, b: dict | None, runs_a: list[dict], runs_b: list[dict], key: str) -> str | None:
+def _distinct(a: dict | None, b: dict | None, runs_a: list[_Entry], runs_b: list[_Entry], key: str) -> str | None:
     """'yes' when the 95% interval of a - b in `key` excludes 0, 'no' when it holds
     0, None when the groups differ in tasks or budget, or have no replicates."""
-    if a is None or b is None or differences(runs_a[0], runs_b[0], items=False):
+    if a is None or b is None or differences(runs_a[0].record, runs_b[0].record, items=False):
         return None
     ci = bootstrap.interval(a[key] - b[key])
     return None if ci is None else ("no" if ci[0] <= 0 <= ci[1] else "yes")
 
 
-def build_table(runs: list[dict]) -> pd.DataFrame:
+def build_table(runs: list[RunRecord]) -> pd.DataFrame:
     """One row per (method, model, profile, task order, reference) group.
 
     Scores: mean and sample std (ddof=1; NaN for one run) over the group's runs,
@@ -189,7 +197,8 @@ def build_table(runs: list[dict]) -> pd.DataFrame:
     """
     if not runs:
         return pd.DataFrame(columns=COLUMNS)
-    flat = pd.DataFrame([{**_flatten(run), "_run": i} for i, run in enumerate(runs)])
+    entries = [_Entry(run, _items(run)) for run in runs]
+    flat = pd.DataFrame([{**_flatten(entry), "_run": i} for i, entry in enumerate(entries)])
     for col in [stem for _, stem in SCORES] + [col for _, col in PARAMS] + EXTRA + ["Wall time (min)"]:
         flat[col] = pd.to_numeric(flat[col], errors="coerce")  # all-null columns would stay object
     for key, group in flat.groupby(GROUP_KEYS, sort=False, dropna=False):
@@ -210,7 +219,7 @@ def build_table(runs: list[dict]) -> pd.DataFrame:
     table = table.sort_values(
         ["Reference", "Last Acc mean", "Method"], ascending=[True, False, True], na_position="last"
     ).reset_index(drop=True)
-    members = [[runs[i] for i in idx] for idx in table["_runs"]]
+    members = [[entries[i] for i in idx] for idx in table["_runs"]]
     reps = [_group_replicates(m) for m in members]
     for key, stem in SCORES:
         cis = [None if r is None else bootstrap.interval(r[key]) for r in reps]

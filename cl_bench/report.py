@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
+from cl_bench.record import RunRecord
+
 SUMMARY_NAMES = {"last_acc": "Last Acc", "stage_acc": "Stage Acc", "bwt": "BWT", "fwt": "FWT",
                  "forgetting": "Forgetting", "learn_gain": "Gain", "bwt_format": "BWT format",
                  "bwt_content": "BWT content"}
@@ -21,26 +23,26 @@ def with_ci(value, ci) -> str:
     return f"{value:.1f} [{ci[0]:.1f}, {ci[1]:.1f}]" if ci else _fmt(value)
 
 
-def _table(record: dict, zero, rows_, headers) -> str:
+def _table(record: RunRecord, zero, rows_, headers) -> str:
     rows = []
     if zero is not None:
         rows.append(["zero-shot", *zero])
-    for stage, row in zip(record["stages"], rows_):
-        rows.append([f"{stage['index'] + 1}: {stage['label']}", *row])
+    for stage, row in zip(record.stages, rows_):
+        rows.append([f"{stage.index + 1}: {stage.label}", *row])
     return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
 
 
-def format_matrix(record: dict, intervals: dict | None = None) -> str:
-    tasks = record["tasks"]
+def format_matrix(record: RunRecord, intervals: dict | None = None) -> str:
+    tasks = record.tasks
     iv = intervals or {}
-    cis = iv.get("matrix_ci") or [[None] * len(tasks) for _ in record["matrix"]]
-    zero = record.get("zero_shot")
+    cis = iv.get("matrix_ci") or [[None] * len(tasks) for _ in record.matrix]
+    zero = record.zero_shot
     zero_cells = None if zero is None else [
         with_ci(v, c) for v, c in zip(zero, iv.get("zero_shot_ci") or [None] * len(tasks))]
-    cells = [[with_ci(v, c) for v, c in zip(row, ci)] for row, ci in zip(record["matrix"], cis)]
-    out = [f"{record['method']} on {record['model']['id']} ({record['profile']} profile, seed {record['seed']})",
+    cells = [[with_ci(v, c) for v, c in zip(row, ci)] for row, ci in zip(record.matrix, cis)]
+    out = [f"{record.method} on {record.model['id']} ({record.profile} profile, seed {record.seed})",
            _table(record, zero_cells, cells, ["after stage", *tasks])]
-    summary = {**(record.get("summary") or {}), **(iv.get("summary") or {})}
+    summary = {**(record.summary or {}), **(iv.get("summary") or {})}
     sci = iv.get("summary_ci") or {}
     out.append(" | ".join(f"{label} {with_ci(summary[key], sci.get(key))}" for key, label in SUMMARY_NAMES.items()
                           if summary.get(key) is not None))
@@ -52,7 +54,7 @@ def format_matrix(record: dict, intervals: dict | None = None) -> str:
         out.append("\nanswer form (share of predictions with the task's answer form):")
         out.append(_table(record, None if zf is None else [pct(v) for v in zf],
                           [[pct(v) for v in row] for row in iv["form_share"]], ["after stage", *tasks]))
-    majority = record.get("majority") or {}
+    majority = record.majority or {}
     if majority:
         out.append("majority-class level (always the most frequent training answer): " + ", ".join(
             f"{t} {m['score']:.1f} ('{m['answer']}')" for t, m in majority.items()))

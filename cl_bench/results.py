@@ -1,7 +1,8 @@
-"""The run record (run.json, schema-versioned), predictions.jsonl, checkpoints,
-all written atomically: a write goes to a temporary file in the same folder and
-replaces the target with os.replace, so an interrupted write never damages
-what was there.
+"""The run folder: the run record (run.json, cl_bench/record.py) and its one
+reader, predictions.jsonl and metrics.jsonl, the claim and lock of the folder,
+checkpoints. Everything is written atomically: a write goes to a temporary file
+in the same folder and replaces the target with os.replace, so an interrupted
+write never damages what was there.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ import numpy as np
 import torch
 
 from cl_bench.errors import UserError
+from cl_bench.record import RunRecord
 
-SCHEMA_VERSION = 1
 RUN_FILE = "run.json"
 PREDICTIONS_FILE = "predictions.jsonl"
 METRICS_FILE = "metrics.jsonl"
@@ -66,14 +67,16 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def read_record(run_dir: Path) -> dict:
-    """The run record of `run_dir`: the one reader (run --resume, show, compare,
-    analyze, leaderboard); every failure is one line naming the file."""
+def read_record(run_dir: Path) -> RunRecord:
+    """The run record of `run_dir`, of any schema version cl-bench has written: the
+    one reader (run --resume, show, compare, analyze, cost, leaderboard); every
+    failure is one line naming the file (and, for its content, the schema version)."""
+    run_dir = Path(run_dir)
     path = run_dir / RUN_FILE
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"{run_dir}: is a file, not a run folder; pass the folder that holds {RUN_FILE}")
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UserError(f"{path}: no run record here; pass the folder of a run "
                         f"(it holds {RUN_FILE})") from None
@@ -83,25 +86,40 @@ def read_record(run_dir: Path) -> dict:
         raise UserError(f"{path}: not UTF-8 text (byte {exc.start}); the record is damaged") from None
     except OSError as exc:
         raise UserError(f"{path}: cannot read the run record ({exc.strerror}); check the path") from None
-    if not isinstance(record, dict):
-        raise UserError(f"{path}: not a run record (a JSON object); the record is damaged")
-    if "schema_version" not in record:
-        raise UserError(f"{path}: no schema_version, so not a cl-bench run record; move it out of the runs folder")
-    version = record["schema_version"]
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise UserError(f"{path}: schema_version={version!r} is not a positive integer; the record is damaged")
-    if version > SCHEMA_VERSION:
-        raise UserError(f"{path}: schema_version {version} is newer than this cl-bench reads "
-                        f"(up to {SCHEMA_VERSION}); upgrade cl-bench")
-    return record
+    return RunRecord.from_json(data, path)
 
 
-def read_finished(run_dir: Path) -> dict:
+def read_finished(run_dir: Path) -> RunRecord:
     """read_record, for readers that need at least one finished stage (analyze, cost)."""
     record = read_record(Path(run_dir))
-    if not record.get("stages_done"):
+    if not record.stages_done:
         raise UserError(f"{Path(run_dir) / RUN_FILE}: no stage finished yet; nothing to draw")
     return record
+
+
+def write_run(run_dir: Path, record: RunRecord, predictions: list[dict]) -> None:
+    """The record, then the predictions; a failure to write is a UserError that says
+    the last checkpoint is kept and how to resume."""
+    try:
+        write_json(run_dir / RUN_FILE, record.to_json())
+        write_jsonl(run_dir / PREDICTIONS_FILE, predictions)
+    except (OSError, ValueError) as exc:  # ValueError: a NaN or inf, which JSON cannot hold
+        raise _cannot_write(run_dir, exc) from None
+
+
+def append_metrics(run_dir: Path, rows: list[dict]) -> None:
+    """Step log rows appended to metrics.jsonl (strict JSON: a NaN fails)."""
+    try:
+        with (run_dir / METRICS_FILE).open("a") as fh:
+            fh.writelines(json.dumps(r, allow_nan=False) + "\n" for r in rows)
+    except (OSError, ValueError) as exc:
+        raise _cannot_write(run_dir, exc) from None
+
+
+def _cannot_write(run_dir: Path, exc: Exception) -> UserError:
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return UserError(f"{run_dir}: cannot write the run's files ({reason}); the last checkpoint is "
+                     f"kept: free space or fix permissions, then cl-bench run --resume {run_dir}")
 
 
 def ensure_writable(directory: Path) -> None:
@@ -145,6 +163,36 @@ def lock_run(run_dir: Path):
         raise UserError(f"{run_dir}: run folder is not writable ({exc.strerror}); free space or fix "
                         f"its permissions") from None
     return fh
+
+
+def claim_run_dir(run_dir: Path):
+    """Fail early, before loading a model, if the run folder cannot be written or is
+    taken; returns its lock. A run starts only in an absent or empty folder (one that
+    holds only a lock file counts as empty: a start that failed before writing)."""
+    ensure_writable(run_dir.parent)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"{run_dir}: is a file, not a run folder; choose another --run-id")
+    if not (run_dir / LOCK_FILE).exists():
+        _refuse_taken(run_dir)  # before a lock file goes into someone else's folder
+    run_dir.mkdir(exist_ok=True)
+    lock = lock_run(run_dir)  # a second writer fails here, naming the first one's PID
+    try:
+        _refuse_taken(run_dir)  # again, under the lock
+    except UserError:
+        lock.close()
+        raise
+    return lock
+
+
+def _refuse_taken(run_dir: Path) -> None:
+    found = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE) if run_dir.is_dir() else []
+    if RUN_FILE in found:
+        raise UserError(f"{run_dir}: a run with this id exists; resume it with "
+                        f"--resume {run_dir} or choose another --run-id")
+    if found:
+        shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        raise UserError(f"{run_dir}: folder exists and is not empty ({shown}); a run starts only in an "
+                        f"absent or empty folder: choose another --run-id or --output-dir")
 
 
 def versions() -> dict[str, str]:

@@ -56,9 +56,11 @@ from dataclasses import dataclass
 
 import torch
 
-from cl_bench.data import IGNORE, Encoder, collate
+from cl_bench.data import IGNORE
 from cl_bench.errors import UserError
+from cl_bench.gradients import batch_gradients
 from cl_bench.method import Method, MethodArgs, Stage, lm_loss
+from cl_bench.models.modes import eval_mode
 from cl_bench.registry import register_method
 
 
@@ -143,7 +145,7 @@ class EWC(Method):
 
     # ---- Fisher and anchor after each task -----------------------------------
     def after_task(self, stage: Stage) -> None:
-        if stage.index == len(self.plan(self.ctx.all_tasks)) - 1:
+        if stage.index == self.ctx.n_stages - 1:
             return  # no later task to protect
         fresh = self.fisher_of(stage)
         for name, f in fresh.items():
@@ -154,30 +156,21 @@ class EWC(Method):
     def fisher_of(self, stage: Stage) -> dict[str, torch.Tensor]:
         """F_new: the mean over Fisher batches of the squared gradient of the batch's
         mean sequence NLL (`sequence_nll`), for every trainable parameter, fp32."""
-        a, cfg = self.args, self.ctx.config
+        a = self.args
         examples = [e for task in stage.tasks for e in task.train]
         order = list(range(len(examples)))
         # Which examples does not depend on the run's RNG state, only on seed and stage.
-        random.Random(f"{cfg.seed}/ewc-fisher/{stage.label}").shuffle(order)
+        random.Random(f"{self.ctx.config.seed}/ewc-fisher/{stage.label}").shuffle(order)
         chosen = [examples[i] for i in order[:a.fisher_examples]]
-        encoder = Encoder.from_config(self.ctx.tokenizer, cfg.train)
-        rows = [encoder.train_example(e.prompt, e.answer) for e in chosen]
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         sums = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in named}
-        was_training = self.model.training
-        self.model.eval()  # no dropout: F of the deterministic model
-        try:
-            for start in range(0, len(rows), a.fisher_batch_size):
-                batch = collate(rows[start:start + a.fisher_batch_size], self.ctx.tokenizer.pad_token_id)
-                batch = {k: v.to(self.ctx.device) for k, v in batch.items()}
-                grads = torch.autograd.grad(sequence_nll(self.model, batch), [p for _, p in named],
-                                            allow_unused=True)
+        with eval_mode(self.model):  # no dropout: F of the deterministic model
+            for grads in batch_gradients(self.model, self.ctx.encoder, chosen, [p for _, p in named],
+                                         sequence_nll, a.fisher_batch_size):
                 for (n, _), g in zip(named, grads):
                     if g is not None:
                         sums[n].add_(g.float().square())
-        finally:
-            self.model.train(was_training)
-        n_batches = max(math.ceil(len(rows) / a.fisher_batch_size), 1)
+        n_batches = max(math.ceil(len(chosen) / a.fisher_batch_size), 1)
         return {n: s.div_(n_batches) for n, s in sums.items()}
 
     # ---- resume and accounting ---------------------------------------------

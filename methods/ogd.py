@@ -37,6 +37,11 @@ moments carry across tasks), not SGD as in the paper: Adam's per-coordinate
 scaling, and first moments still holding the previous task's gradients at a
 task boundary, mean the applied update is not exactly orthogonal to V, only the
 gradient is.
+
+Composition: the adapter is `cl_bench.models.lora_adapters`' (`inject_lora`, its
+`lora_parameters` as the basis's coordinates, `merged_adapter_report`), the same
+pieces `lora` is made of; the per-example gradients come from
+`cl_bench.gradients.batch_gradients`, as EWC's Fisher does.
 """
 from __future__ import annotations
 
@@ -47,9 +52,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from cl_bench.data import Encoder, collate
-from cl_bench.method import Stage, lm_loss
-from cl_bench.methods.lora import LoRA, LoRAArgs
+from cl_bench.gradients import batch_gradients
+from cl_bench.method import Method, MethodArgs, Stage, lm_loss
+from cl_bench.models.lora_adapters import LoRAAdapterArgs, inject_lora, lora_parameters, merged_adapter_report
+from cl_bench.models.modes import eval_mode
 from cl_bench.registry import register_method
 
 log = logging.getLogger(__name__)
@@ -58,7 +64,8 @@ DEPENDENT_RTOL = 1e-4  # residual singular values below this × max ‖g‖ are 
 
 
 @dataclass
-class OGDArgs(LoRAArgs):
+class OGDArgs(LoRAAdapterArgs, MethodArgs):
+    lr: float = 1e-4  # lora's, so OGD differs from lora only by the projection (TRACE's script: 1e-5)
     max_per_task: int = 200  # stored gradients per task (baselines.md: about 200)
     max_basis: int = 1600  # total basis vectors (8 TRACE tasks × 200): caps memory
 
@@ -85,16 +92,17 @@ def extend_basis(basis: torch.Tensor, grads: torch.Tensor, cap: int) -> tuple[to
 
 
 @register_method("ogd")
-class OGD(LoRA):
+class OGD(Method):
     description = "OGD on LoRA params: gradients projected off a basis of earlier tasks' per-example gradients"
+    lr_family = "adapter"
     Args = OGDArgs
     zero_unsupported = dict.fromkeys((2, 3), (
         "before_step projects the adapter's flattened .grad off the stored basis; ZeRO holds gradients "
         "only as partitions inside the engine"))
 
     def setup(self, model: nn.Module) -> None:
-        super().setup(model)
-        self.adapter = [p for n, p in self.model.named_parameters() if ".lora_" in n]  # fixed order
+        self.model = inject_lora(model, self.args)
+        self.adapter = lora_parameters(self.model)  # fixed order: the basis's coordinates
         n = sum(p.numel() for p in self.adapter)
         self.basis = torch.zeros(0, n, dtype=torch.float32, device=self.adapter[0].device)  # (k, n)
 
@@ -120,22 +128,16 @@ class OGD(LoRA):
 
     def task_gradients(self, stage: Stage) -> torch.Tensor:
         """Per-example adapter gradients (m, n) of the stage's training examples, fp32."""
-        encoder = Encoder.from_config(self.ctx.tokenizer, self.ctx.config.train)
-        pad_id = self.ctx.tokenizer.pad_token_id
-        was_training = self.model.training
-        self.model.eval()  # no dropout: the gradient of the function the task ended with
-        rows = []
+        examples = []
         for task in stage.tasks:
-            examples = list(task.train)
-            if len(examples) > self.args.max_per_task:
+            chosen = list(task.train)
+            if len(chosen) > self.args.max_per_task:
                 rng = random.Random(f"{self.ctx.config.seed}/ogd/{task.name}")
-                examples = rng.sample(examples, self.args.max_per_task)
-            for ex in examples:
-                batch = collate([encoder.train_example(ex.prompt, ex.answer)], pad_id)
-                batch = {k: v.to(self.basis.device) for k, v in batch.items()}
-                grads = torch.autograd.grad(lm_loss(self.model, batch), self.adapter)
-                rows.append(torch.cat([g.reshape(-1).float() for g in grads]))
-        self.model.train(was_training)
+                chosen = rng.sample(chosen, self.args.max_per_task)
+            examples += chosen
+        with eval_mode(self.model):  # no dropout: the gradient of the function the task ended with
+            rows = [torch.cat([g.reshape(-1).float() for g in grads])
+                    for grads in batch_gradients(self.model, self.ctx.encoder, examples, self.adapter, lm_loss)]
         return torch.stack(rows) if rows else self.basis.new_zeros(0, self.basis.shape[1])
 
     def state_dict(self) -> dict:
@@ -145,7 +147,7 @@ class OGD(LoRA):
         self.basis = state["basis"].to(device=self.basis.device, dtype=torch.float32)
 
     def param_report(self) -> dict:
-        report = super().param_report()
+        report = merged_adapter_report(self.model)
         report["total"] += self.basis.numel()  # the basis is held in memory beside the model
         report["basis_vectors"] = len(self.basis)
         return report

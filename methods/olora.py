@@ -19,7 +19,9 @@ trainable) followed by re-freezing, and reaching into peft's per-adapter
 ModuleDicts for the penalty; the forward and the freezing then depend on peft's
 multi-adapter semantics. The wrapper writes the formula above directly, keeps
 the pairs in a ParameterList (pair k = `lora_A.k`, `lora_B.k`), and rebuilding
-n pairs on resume is a loop.
+n pairs on resume is a loop. The adapter's fields (`LoRAAdapterArgs`) and its
+parameter report (`merged_adapter_report`) are `cl_bench.models.lora_adapters`',
+as lora's and ogd's.
 
 Differences from TRACE's model/Regular/O_LoRA.py (read at 0712fff) and why:
 - TRACE means to stack the finished pair under the old LoRA (one rank-r·t
@@ -46,23 +48,20 @@ Differences from TRACE's model/Regular/O_LoRA.py (read at 0712fff) and why:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from cl_bench.errors import UserError
 from cl_bench.method import Method, MethodArgs, Stage, lm_loss
+from cl_bench.models.lora_adapters import LoRAAdapterArgs, merged_adapter_report
 from cl_bench.registry import register_method
 
 
 @dataclass
-class OLoRAArgs(MethodArgs):
+class OLoRAArgs(LoRAAdapterArgs, MethodArgs):  # r: the rank of each task's pair
     lr: float = 1e-4  # TRACE (the official LLaMA script: 1e-3 on task 0, then 1e-4)
-    r: int = 8  # rank of each task's pair
-    alpha: int = 32  # scale alpha / r = 4
-    dropout: float = 0.1  # on the adapters' input
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
     lambda1: float = 0.5  # weight of Σ_{k<t} ‖A_k A_tᵀ‖₁
     lambda2: float = 0.0  # weight of ‖A_t‖_F + ‖B_t‖_F
 
@@ -164,12 +163,6 @@ class OLoRA(Method):
             self._add_pair()
 
     def param_report(self) -> dict:
-        total = sum(p.numel() for p in self.model.parameters())
-        adapters = sum(p.numel() for layer in self.layers for p in (*layer.lora_A, *layer.lora_B))
-        return {"total": total,
-                "trainable": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
-                # unmerged at inference: the base and every pair touch each token
-                "active_per_token": total,
-                # deployed merged: W + s·Σ_k B_k A_k folds into W
-                "deployed": total - adapters,
-                "experts_per_layer": None}
+        # unmerged at inference (the base and every pair touch each token); deployed
+        # merged: W + s·Σ_k B_k A_k folds into W
+        return merged_adapter_report(self.model)

@@ -6,6 +6,18 @@ TRACE data in one process; the digest covers the R matrix, the zero-shot row, th
 predictions (predictions.jsonl byte for byte), the logged training numbers
 (metrics.jsonl byte for byte) and the parameter rows of the record.
 
+The parameter rows are hashed in the form records had before the typed record
+(schema_version 1: `{"stage": b, **method.param_report()}`), so digests taken
+before it still check runs after it. From schema_version 2 on, `pre_typed_row`
+normalises each row of `params` by exactly two steps, and nothing else:
+  1. the keys under "diagnostics" (every key a method reports beyond the fields
+     ParamReport declares) are merged back into the row, and "diagnostics" goes;
+  2. "expansion_rate", a declared field written null where the method reports
+     none, is dropped where it is null in every row of the run: the methods that
+     report it give a number from stage 1 on, the others never had the key.
+     (Where this guess is wrong the check reports a difference; it never hides one.)
+Every value is hashed as written; a record of schema_version 1 is hashed as is.
+
     python scripts/smoke_digests.py --write tests/data/smoke_digests.json
     python scripts/smoke_digests.py --check tests/data/smoke_digests.json
 """
@@ -25,8 +37,25 @@ RECORD_KEYS = ("matrix", "zero_shot", "params")
 FILES = ("predictions.jsonl", "metrics.jsonl")
 
 
+def pre_typed_row(row: dict, run_reports_expansion: bool) -> dict:
+    """One params row of schema_version >= 2 in its schema_version-1 form (module docstring)."""
+    flat = {**{k: v for k, v in row.items() if k != "diagnostics"}, **row.get("diagnostics", {})}
+    if not run_reports_expansion and flat.get("expansion_rate", 0) is None:
+        del flat["expansion_rate"]
+    return flat
+
+
+def pre_typed_params(record: dict) -> list[dict] | None:
+    rows = record.get("params")
+    if record.get("schema_version", 1) < 2 or rows is None:
+        return rows
+    reports = any(r.get("expansion_rate") is not None for r in rows)
+    return [pre_typed_row(r, reports) for r in rows]
+
+
 def digest(run_dir: Path) -> dict[str, str]:
     record = json.loads((run_dir / "run.json").read_text())
+    record["params"] = pre_typed_params(record)
     out = {name: hashlib.sha256((run_dir / name).read_bytes()).hexdigest()[:16] for name in FILES}
     for key in RECORD_KEYS:
         text = json.dumps(record.get(key), sort_keys=True)

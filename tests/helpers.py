@@ -9,6 +9,7 @@ import torch
 from cl_bench import registry
 from cl_bench.benchmarks.trace.loader import Example
 from cl_bench.config import RunConfig, TrainConfig
+from cl_bench.data import Encoder
 from cl_bench.method import MethodContext
 from cl_bench.models.loading import tiny_llama
 
@@ -26,7 +27,9 @@ def make_method(name: str, seed: int = 0, **args):
     config = RunConfig(model="tiny-llama", seed=seed,
                        train=TrainConfig(max_prompt_len=96, max_answer_len=16, truncation_head=16))
     cls = registry.get(name)
-    method = cls(cls.parse_args(args), MethodContext(config, torch.device("cpu"), tokenizer))
+    ctx = MethodContext(config, torch.device("cpu"), tokenizer,
+                        encoder=Encoder.from_config(tokenizer, config.train))
+    method = cls(cls.parse_args(args), ctx)
     torch.manual_seed(seed)
     method.setup(model)
     return method

@@ -8,10 +8,11 @@ import torch
 
 from cl_bench.analysis.plots import analyze
 from cl_bench.benchmarks.trace import load_task
-from cl_bench.config import PROFILES, build
+from cl_bench.config import build
 from cl_bench.data import Encoder
 from cl_bench.errors import UserError
 from cl_bench.models.loading import tiny_llama
+from cl_bench.profiles import PROFILES
 from cl_bench.analysis.probes import RepresentationProbe
 
 
@@ -69,6 +70,15 @@ def test_analyze_draws_what_the_record_holds(tmp_path):
     (full / "run.json").write_text(json.dumps(_record(params=params, probes=probes)))
     names = ["heatmap.png", "decisions.png", "cka.png", "sharpness.png"]
     assert [p.name for p in analyze(full)] == names and all(_png(full / n) for n in names)
+
+    typed = tmp_path / "typed"  # schema 2: a method's own keys under the row's "diagnostics"
+    typed.mkdir()
+    rows = [{"stage": 0, "expansion_rate": None, "diagnostics": {}},
+            {"stage": 1, "expansion_rate": 0.5, "diagnostics": {"decision_layers": [0, 1],
+                                                                "decisions": [[1, 0], [0, 1]]}}]
+    (typed / "run.json").write_text(json.dumps(_record(schema_version=2, params=rows)))
+    assert [p.name for p in analyze(typed)] == ["heatmap.png", "decisions.png"]
+    assert (typed / "decisions.png").read_bytes() == (full / "decisions.png").read_bytes()
 
 
 def test_cost_against_another_run_divides_seconds_per_step_stage_by_stage(tmp_path):

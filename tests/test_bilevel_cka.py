@@ -51,7 +51,7 @@ def batch(seed=0):
 
 def logits(model, b, method=None, pi=None):
     if pi is not None:
-        method._set_masks(pi)
+        method._task.set_masks(pi)
     with torch.no_grad():
         return model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
 
@@ -175,18 +175,15 @@ def test_the_cka_reference_is_the_pre_task_model_when_more_than_the_clones_train
     at 0 are no longer the old model: the reference puts back their pre-task values."""
     method, model = make(**args)
     b = batch(3)
-    with method._capture() as feats, torch.no_grad():
-        model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
-    before = method._tokens(feats[1], b)  # layer 1's output, non-pad tokens
+    before = method._features.of(b)[1]  # layer 1's output, non-pad tokens
     stage = Stage(1, [], "task 1")
     method.before_task(stage)
     assert method._task.snapshot
     train(method, 3, stage)
-    method._set_masks(torch.zeros(2, K))
-    with method._capture() as feats, torch.no_grad():
-        model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
-    assert not torch.allclose(method._tokens(feats[1], b), before, atol=1e-4)  # masks at 0 alone: moved
-    torch.testing.assert_close(method._reference_features(b)[1], before, rtol=0, atol=1e-5)
+    method._task.set_masks(torch.zeros(2, K))
+    assert not torch.allclose(method._features.of(b)[1], before, atol=1e-4)  # masks at 0 alone: moved
+    torch.testing.assert_close(method._features.reference(method._task, b, K, torch.device("cpu"))[1], before,
+                               rtol=0, atol=1e-5)
 
 
 def test_the_cka_term_carries_gradient_to_the_clones():
@@ -300,7 +297,7 @@ def test_the_finalised_model_is_the_searched_supernet_without_pairs_of_copies():
         task = method._task
         expand = (task.logits[..., 1] - task.logits[..., 0]).detach().sigmoid() > 0.5
         assert expand.any()  # copies to pair up
-        method._set_masks(expand.float())
+        method._task.set_masks(expand.float())
         searched, searched_logits = mean_loss(model, check), logits(model, check[0])
         method.after_task(stage)
         shares = pair_share(model, check)
@@ -331,9 +328,9 @@ def test_the_clones_train_with_the_optimiser_the_sequencer_carries_over():
     start = {n: p.detach().clone() for n, p in clones.items()}
 
     def gain():  # L_recycle - L_expand on a fixed task batch
-        method._set_masks(torch.zeros(2, K))
+        method._task.set_masks(torch.zeros(2, K))
         recycle = mean_loss(model, [batch(50)])
-        method._set_masks(torch.ones(2, K))
+        method._task.set_masks(torch.ones(2, K))
         return recycle - mean_loss(model, [batch(50)])
 
     before, log = gain(), []
@@ -427,6 +424,12 @@ def test_params_command_reports_the_upper_bound_on_llama_3_2_1b():
     assert rows[1]["trainable"] == upcycle[1]["trainable"]  # clones + rows = one group + rows
 
 
+def flat_params(record: dict) -> list[dict]:
+    """The record's parameter rows with the method's own keys beside the counts, whether
+    a row holds them flat or under "diagnostics" (the record's schema versions)."""
+    return [{**p, **p.get("diagnostics", {})} for p in record["params"]]
+
+
 # ---- end to end ---------------------------------------------------------------------
 
 def test_smoke_run_records_decisions_and_resumes_to_the_same_run(trace_dir, tmp_path, monkeypatch):
@@ -434,7 +437,7 @@ def test_smoke_run_records_decisions_and_resumes_to_the_same_run(trace_dir, tmp_
     assert run_cli(*smoke_args(trace_dir, straight, "--method", "bilevel-cka")) == 0
     record = json.loads((only_run(straight) / "run.json").read_text())
     assert record["status"] == "complete" and record["uses_replay"] and record["replay"]["used"] > 0
-    params = record["params"]
+    params = flat_params(record)
     assert params[0]["expansion_rate"] is None and params[0]["experts_per_layer"] == [8, 8]
     for prev, p in zip(params, params[1:]):
         assert len(p["decisions"]) == 2 and all(len(row) == K for row in p["decisions"])

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from cl_bench.config import PROFILES, resolve
+from cl_bench.config import resolve
+from cl_bench.profiles import PROFILES
 from cl_bench.errors import UserError
 
 

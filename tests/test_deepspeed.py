@@ -154,7 +154,7 @@ def test_a_torch_run_never_imports_deepspeed(trace_dir, tmp_path):
 def test_only_rank_zero_writes_logs_and_shows_progress(trace_dir, tmp_path, monkeypatch, capsys):
     """Every rank runs the sequencer; one that is not rank 0 writes no file and prints
     no log line or progress bar (a torch backend posing as rank 1 of 2)."""
-    from cl_bench import sequencer
+    from cl_bench import prepare
     from cl_bench.backends.torch_backend import TorchBackend
 
     class SecondRank(TorchBackend):
@@ -165,7 +165,7 @@ def test_only_rank_zero_writes_logs_and_shows_progress(trace_dir, tmp_path, monk
         def on_main(self, fn):
             return None  # rank 0, elsewhere, does it
 
-    monkeypatch.setattr(sequencer, "create_backend", SecondRank)
+    monkeypatch.setattr(prepare, "create_backend", SecondRank)
     out = tmp_path / "runs"
     args = [a for a in smoke_args(trace_dir, out, "--run-id", "r") if a != "--no-progress"]
     assert run_cli(*args) == 0
@@ -200,15 +200,16 @@ def test_bf16_trains_in_bf16_and_keeps_fp32_weights_between_phases(trace_dir, tm
     """deepspeed.bf16=true (on this CPU too): the engine computes in bf16 with fp32
     master weights; between phases the model is fp32 again and holds the masters, not
     their bf16 copies, so three stages lose no precision at their boundaries."""
-    from cl_bench import sequencer
     from cl_bench.config import resolve
+    from cl_bench.prepare import prepare
+    from cl_bench.sequencer import execute
 
     config = resolve("smoke", None, {"method_args": {"lr": "1e-3"}, "backend": "deepspeed",
                                      "deepspeed": {"bf16": "true"}, "data": {"data_dir": str(trace_dir)},
                                      "output_dir": str(tmp_path / "bf16")})
-    run = sequencer.prepare(config, progress=False)
-    record = sequencer.execute(run)
-    assert record["backend"]["bf16"] is True
+    run = prepare(config, progress=False)
+    record = execute(run)
+    assert record.backend["bf16"] is True
     params = list(run.method.model.parameters())
     assert all(p.dtype == torch.float32 for p in params)
     assert any(bool((p != p.bfloat16().float()).any()) for p in params)  # not bf16 values
@@ -235,16 +236,17 @@ def test_zero3_trains_added_experts_checkpoints_and_resumes(trace_dir, tmp_path,
     stage adds is trained in that stage (a new engine takes it in); an interrupted run
     resumed from its gathered checkpoint gives the straight run's numbers; both equal
     the torch backend's."""
-    from cl_bench import sequencer
     from cl_bench.config import resolve
+    from cl_bench.prepare import prepare
+    from cl_bench.sequencer import execute
 
     flags = ["--method", "upcycle", *deepspeed_args(tmp_path, 3)]
     straight = tmp_path / "straight"
     config = resolve("smoke", None, {"method": "upcycle", "method_args": {"lr": "1e-3"}, "backend": "deepspeed",
                                      "deepspeed": {"zero": "3", "config": str(small_buckets(tmp_path))},
                                      "data": {"data_dir": str(trace_dir)}, "output_dir": str(straight)})
-    run = sequencer.prepare(config, progress=False)
-    sequencer.execute(run)
+    run = prepare(config, progress=False)
+    execute(run)
     drift = _expert_drift(run.method.model)
     assert len(drift) == 2 and all(len(groups) == 3 for groups in drift)
     assert all(d > 1e-4 for groups in drift for d in groups), drift  # every stage's new group moved

@@ -10,14 +10,16 @@ import pytest
 from cl_bench.compare import compare, differences, format_comparison
 from cl_bench.intervals import ItemTable, replicates, run_intervals
 from cl_bench.metrics.cl import summarise
+from cl_bench.record import RunRecord
 from conftest import run_cli
 
 TASKS = ["NumGLUE-cm", "C-STANCE"]
 
 
 def make_record(scores: dict, tasks=TASKS, seed=1, n_test=None) -> tuple[dict, list[dict]]:
-    """A record and predictions from per-(stage, task) item scores (0 or 100);
-    stage -1 is the zero-shot row. A correct item predicts the answer itself."""
+    """A record (as JSON, schema 1) and predictions from per-(stage, task) item
+    scores (0 or 100); stage -1 is the zero-shot row. A correct item predicts the
+    answer itself."""
     n = len(tasks)
     matrix = [[None] * n for _ in range(n)]
     zero = [None] * n
@@ -48,7 +50,7 @@ SCORES = {(-1, 0): [0, 0, 0, 0], (-1, 1): [0, 100, 0, 0],
 
 def test_point_estimates_match_the_record_summary():
     record, preds = make_record(SCORES)
-    iv = run_intervals(record, preds, resamples=200)
+    iv = run_intervals(RunRecord.from_json(record), preds, resamples=200)
     expected = summarise(record["matrix"], record["zero_shot"])
     for key, value in expected.items():
         assert iv["summary"][key] == pytest.approx(value)
@@ -70,7 +72,8 @@ def test_resamples_are_paired_across_stages():
     replicate. Unpaired draws (a fresh draw per stage) would spread it."""
     same = {(0, 0): [100, 0, 100, 0], (0, 1): [0, 0, 100, 100],
             (1, 0): [100, 0, 100, 0], (1, 1): [100, 100, 0, 0]}
-    reps = replicates(ItemTable.from_run(*make_record(same)), resamples=300)
+    record, preds = make_record(same)
+    reps = replicates(ItemTable.from_run(RunRecord.from_json(record), preds), resamples=300)
     assert np.all(reps["bwt"] == 0.0)
 
 
@@ -78,7 +81,7 @@ def test_items_scored_differently_across_stages_are_refused():
     record, preds = make_record(SCORES)
     preds = [p for p in preds if not (p["stage"] == 1 and p["task"] == "C-STANCE" and p["index"] == 3)]
     with pytest.raises(ValueError, match="C-STANCE"):
-        ItemTable.from_run(record, preds)
+        ItemTable.from_run(RunRecord.from_json(record), preds)
 
 
 def write_run(folder, record, preds):
@@ -118,7 +121,7 @@ def test_compare_refuses_runs_that_differ_and_says_how(tmp_path, capsys, change,
     a_rec, a_preds = make_record(SCORES)
     b_rec, b_preds = make_record(SCORES)
     change(b_rec)
-    assert any(message in d for d in differences(a_rec, b_rec))
+    assert any(message in d for d in differences(RunRecord.from_json(a_rec), RunRecord.from_json(b_rec)))
     a = write_run(tmp_path / "a", a_rec, a_preds)
     b = write_run(tmp_path / "b", b_rec, b_preds)
     assert run_cli("compare", a, b) == 2

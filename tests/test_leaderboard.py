@@ -9,6 +9,7 @@ import pytest
 
 from cl_bench.errors import UserError
 from cl_bench.leaderboard import build_table, format_table, humanise, load_runs, update_readme
+from cl_bench.record import SCHEMA_VERSION
 
 ORDER = ["MeetingBank", "Py150", "NumGLUE-cm"]
 M135 = 134_515_008  # -> "134.5M"
@@ -104,9 +105,9 @@ def test_reference_rows_sit_at_the_bottom_flagged(runs_dir):
 def test_incomplete_runs_are_skipped_with_a_warning(runs_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="cl_bench.leaderboard"):
         runs = load_runs(runs_dir)
-    assert {r["run_id"] for r in runs} == {"seqft-a", "seqft-b", "ewc-a", "individual-a"}
+    assert {r.run_id for r in runs} == {"seqft-a", "seqft-b", "ewc-a", "individual-a"}
     assert "lwf-running" in caplog.text and "running" in caplog.text
-    assert all(r["_path"].endswith("run.json") for r in runs)
+    assert all(r.source.name == "run.json" for r in runs)
 
 
 def test_markdown_shows_mean_pm_std_only_for_several_runs(runs_dir):
@@ -181,7 +182,7 @@ def test_record_without_schema_version_is_rejected(tmp_path):
 
 
 def test_newer_schema_asks_to_upgrade(tmp_path):
-    write(tmp_path, {**make_run("x"), "schema_version": 2})
+    write(tmp_path, {**make_run("x"), "schema_version": SCHEMA_VERSION + 1})
     with pytest.raises(UserError, match="upgrade cl-bench"):
         load_runs(tmp_path)
 
@@ -282,12 +283,12 @@ def test_exclude_skips_matching_run_folders(tmp_path):
     d = tmp_path / "runs"
     write(d, make_run("seqft-a"))
     write(d / "sweeps" / "ewc-lambda", make_run("ewc-x", method="ewc"))
-    assert [r["method"] for r in load_runs(d, ["sweeps/*"])] == ["seqft"]
-    assert [r["method"] for r in load_runs(d, ["sweeps"])] == ["seqft"]
+    assert [r.method for r in load_runs(d, ["sweeps/*"])] == ["seqft"]
+    assert [r.method for r in load_runs(d, ["sweeps"])] == ["seqft"]
     assert len(load_runs(d)) == 2
     write(d, make_run("upcycle-a", method="upcycle"))
-    assert [r["method"] for r in load_runs(d, include=["upcycle-*", "sweeps/*"])] == ["ewc", "upcycle"]  # by path
-    assert [r["method"] for r in load_runs(d, ["sweeps"], include=["*-a"])] == ["seqft", "upcycle"]
+    assert [r.method for r in load_runs(d, include=["upcycle-*", "sweeps/*"])] == ["ewc", "upcycle"]  # by path
+    assert [r.method for r in load_runs(d, ["sweeps"], include=["*-a"])] == ["seqft", "upcycle"]
     with pytest.raises(UserError, match="matching nothing-\\*"):
         load_runs(d, include=["nothing-*"])
 

@@ -15,17 +15,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cl_bench.data import IGNORE, Encoder, collate
+from cl_bench.data import IGNORE, collate
 from cl_bench.method import Stage
+from cl_bench.models.modes import eval_mode
 from helpers import make_method, make_task
 
 # ---- helpers (make_task, make_method: tests/helpers.py) ------------------------
 
 
 def encode(method, examples) -> dict[str, torch.Tensor]:
-    encoder = Encoder.from_config(method.ctx.tokenizer, method.ctx.config.train)
-    return collate([encoder.train_example(e.prompt, e.answer) for e in examples],
-                   method.ctx.tokenizer.pad_token_id)
+    encoder = method.ctx.encoder
+    return collate([encoder.train_example(e.prompt, e.answer) for e in examples], method.ctx.pad_id)
 
 
 def stages(n: int) -> list[Stage]:
@@ -174,13 +174,11 @@ def example_gradients(method, examples) -> torch.Tensor:
     """(m, n): per-example gradients of the answer CE w.r.t. the adapter, dropout off,
     at the model's current weights, computed by hand."""
     params = adapter_of(method)
-    was_training = method.model.training
-    method.model.eval()
     rows = []
-    for ex in examples:
-        grads = torch.autograd.grad(answer_ce(method.model, encode(method, [ex])), params)
-        rows.append(torch.cat([g.reshape(-1) for g in grads]).float())
-    method.model.train(was_training)
+    with eval_mode(method.model):
+        for ex in examples:
+            grads = torch.autograd.grad(answer_ce(method.model, encode(method, [ex])), params)
+            rows.append(torch.cat([g.reshape(-1) for g in grads]).float())
     return torch.stack(rows)
 
 

@@ -23,7 +23,8 @@ from cl_bench.methods.care.layer import entropy, select_routers, top_k_softmax
 from cl_bench.methods.care.pseudo_labels import _key, kmeans, perceiver_loss
 from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import schedule_report
-from cl_bench.models.prompt_pool import DECODE, POOL, PromptPool, masked_mean, prompt_mask
+from cl_bench.models.prompt_pool import (DECODE, POOL, PromptPool, first_tokens, masked_mean, prompt_mask,
+                                         prompt_tokens)
 from conftest import interrupted_run, only_run, run_cli, smoke_args
 
 D, G = 64, 8
@@ -125,6 +126,9 @@ def test_prompt_mask_keeps_prompt_tokens_and_drops_position_zero():
     assert prompt_mask(attn).int().tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 1, 1]]
     # a row without prompt tokens pools its attended ones
     assert prompt_mask(torch.tensor([[1, 1, 1]]), torch.tensor([[4, 5, 6]])).int().tolist() == [[0, 1, 1]]
+    # the pieces: the raw prompt tokens (no fallback), each row's first attended token
+    assert prompt_tokens(torch.tensor([[1, 1, 1]]), torch.tensor([[4, 5, 6]])).int().tolist() == [[0, 0, 0]]
+    assert first_tokens(torch.tensor([[0, 0, 1, 1], [1, 1, 0, 0]])).int().tolist() == [[0, 0, 1, 0], [1, 0, 0, 0]]
     x = torch.arange(12.0).reshape(1, 3, 4).repeat(2, 1, 1)
     pooled = masked_mean(x, torch.tensor([[0, 1, 1], [0, 0, 0]]).bool())
     assert pooled.dtype == torch.float32
@@ -148,6 +152,12 @@ def test_the_pre_hook_tells_training_prefill_and_decode_apart():
     with pytest.raises(ValueError, match="chunked prefill"):
         model(input_ids=ids[:, :2], attention_mask=torch.ones(2, 9, dtype=torch.long), use_cache=True,
               cache=out.cache)
+    # SAME's rule (refuse_chunked=False): any forward after a non-empty cache is a decode step
+    lenient = PromptPool(skip_first=False, refuse_chunked=False)
+    lenient.read((), {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    assert lenient.kind == POOL and lenient.mask.all() and lenient.attended.all()
+    lenient.read((), {"input_ids": ids[:, :2], "cache": out.cache})
+    assert lenient.kind == DECODE and lenient.mask is None and lenient.attended is None
 
 
 def test_routing_pools_the_prompt_only_and_matches_the_prefill():
@@ -543,6 +553,12 @@ def test_params_schedule_adds_one_triplet_per_task():
     assert big[1]["total"] - big[0]["total"] == 16 * one
 
 
+def flat_params(record: dict) -> list[dict]:
+    """The record's parameter rows with the method's own keys beside the counts, whether
+    a row holds them flat or under "diagnostics" (the record's schema versions)."""
+    return [{**p, **p.get("diagnostics", {})} for p in record["params"]]
+
+
 # ---- end to end ---------------------------------------------------------------------
 
 def test_smoke_run_and_resume(trace_dir, tmp_path, monkeypatch):
@@ -551,7 +567,7 @@ def test_smoke_run_and_resume(trace_dir, tmp_path, monkeypatch):
     record = json.loads((only_run(straight) / "run.json").read_text())
     assert record["status"] == "complete" and not record["uses_replay"]
     assert [p["experts_per_layer"] for p in record["params"]] == [[1, 1], [2, 2], [3, 3]]
-    last = record["params"][-1]
+    last = flat_params(record)[-1]
     assert len(last["task_id_acc"]) == 2 and set(last["answer_ce"]) == set(record["tasks"])
     assert last["shared_drift_since_task0"] is not None
     rows = results.read_jsonl(only_run(straight) / "metrics.jsonl")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cl_bench import results
-from cl_bench.data import Encoder, collate
+from cl_bench.data import collate
 from cl_bench.errors import UserError
 from cl_bench.method import Stage
 from cl_bench.models.loading import tiny_llama
@@ -26,9 +26,8 @@ LORA_SIZE = 2 * (8 * (64 + 64) + 8 * (64 + 32))  # 3584
 
 
 def batch_of(method, task) -> dict[str, torch.Tensor]:
-    encoder = Encoder.from_config(method.ctx.tokenizer, method.ctx.config.train)
-    rows = [encoder.train_example(e.prompt, e.answer) for e in task.train[:4]]
-    return collate(rows, method.ctx.tokenizer.pad_token_id)
+    rows = [method.ctx.encoder.train_example(e.prompt, e.answer) for e in task.train[:4]]
+    return collate(rows, method.ctx.pad_id)
 
 
 def train_stage(method, stage: Stage, n_steps: int = 3, optimizer=None):
@@ -60,6 +59,26 @@ def complete_record(run_dir: Path) -> dict:
         [[j <= b for j in range(3)] for b in range(3)]
     assert record["summary"] is not None and len(record["params"]) == 3
     return record
+
+
+# ---- the family: composed, not inherited --------------------------------------
+
+@pytest.mark.parametrize("name, own", [("lora", []), ("olora", ["lambda1", "lambda2"]),
+                                       ("ogd", ["max_per_task", "max_basis"])])
+def test_lora_family_composes_the_adapter_helper_and_keeps_its_arguments(name, own):
+    from cl_bench import registry
+    from cl_bench.method import Method, MethodArgs
+    from cl_bench.models.lora_adapters import LoRAAdapterArgs
+
+    cls = registry.get(name)
+    assert cls.__mro__[1:] == (Method, object)  # no method inherits another
+    assert cls.Args.__mro__[1:] == (LoRAAdapterArgs, MethodArgs, object)
+    assert cls.lr_family == "adapter"
+    table = cls.arg_table()
+    assert [n for n, _, _ in table] == ["lr", "weight_decay", "beta1", "beta2", "r", "alpha", "dropout",
+                                        "target_modules", *own]
+    assert dict((n, d) for n, _, d in table if n in ("lr", "r", "alpha", "dropout", "target_modules")) == \
+        {"lr": 1e-4, "r": 8, "alpha": 32, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}
 
 
 # ---- lora ------------------------------------------------------------------
@@ -276,6 +295,7 @@ def test_ogd_smoke_run(trace_dir, tmp_path):
     out = tmp_path / "runs"
     assert run_cli(*smoke_args(trace_dir, out, "--method", "ogd")) == 0
     record = complete_record(only_run(out))
-    assert [p["basis_vectors"] for p in record["params"]] == [8, 16, 24]  # n_train 8 per task
+    # basis_vectors: a key of the row (record v1) or of its "diagnostics" (v2, cl_bench/record.py)
+    assert [p.get("diagnostics", p)["basis_vectors"] for p in record["params"]] == [8, 16, 24]  # 8 per task
     assert [p["trainable"] for p in record["params"]] == [LORA_SIZE] * 3
     assert record["method_args"]["max_per_task"] == 200

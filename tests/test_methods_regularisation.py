@@ -48,7 +48,8 @@ def make(name: str, n_tasks: int = 3, **args):
     model, tokenizer, _ = tiny_llama(0)
     config = resolve("smoke", None, {"method": name})
     ctx = MethodContext(config=config, device=torch.device("cpu"), tokenizer=tokenizer,
-                        all_tasks=[TASK_A] * n_tasks)
+                        all_tasks=[TASK_A] * n_tasks, encoder=Encoder.from_config(tokenizer, config.train),
+                        n_stages=n_tasks)
     cls = registry.get(name)
     method = cls(cls.parse_args(args), ctx)
     method.setup(model)
@@ -74,9 +75,7 @@ def assert_near(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 def batch_of(method, t) -> dict[str, torch.Tensor]:
-    enc = Encoder.from_config(method.ctx.tokenizer, method.ctx.config.train)
-    return collate([enc.train_example(e.prompt, e.answer) for e in t.train],
-                   method.ctx.tokenizer.pad_token_id)
+    return collate([method.ctx.encoder.train_example(e.prompt, e.answer) for e in t.train], method.ctx.pad_id)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +148,7 @@ def test_ewc_fisher_is_per_example_nonnegative_and_accumulates():
     params = dict(m.model.named_parameters())
 
     # F_new is the mean of per-example squared gradients, not the square of the mean.
-    enc = Encoder.from_config(m.ctx.tokenizer, m.ctx.config.train)
+    enc = m.ctx.encoder
     by_hand = {n: torch.zeros_like(p) for n, p in params.items()}
     for e in TASK_A.train:
         for n, g2 in squared_grads(m.model, answer_nll_by_hand(m.model, enc.train_example(e.prompt, e.answer))).items():
@@ -183,7 +182,7 @@ def test_ewc_fisher_is_the_squared_gradient_of_the_answers_log_likelihood():
     L² times the square of the per-token mean's gradient (the old F, whose weight on an
     example shrank as 1/L²); a Fisher batch takes the mean of its examples' sums."""
     m = make("ewc")
-    enc = Encoder.from_config(m.ctx.tokenizer, m.ctx.config.train)
+    enc = m.ctx.encoder
     prompt = "Question:\n3 plus 4?\nAnswer:"
     short, long = (task((prompt, answer)) for answer in ("7", "7" * 7))
     rows = [enc.train_example(prompt, t.train[0].answer) for t in (short, long)]

@@ -552,6 +552,12 @@ def test_stage_record_logs_ranks_spectrum_and_masks():
     json.dumps(rec)  # lands in run.json
 
 
+def flat_params(record: dict) -> list[dict]:
+    """The record's parameter rows with the method's own keys beside the counts, whether
+    a row holds them flat or under "diagnostics" (the record's schema versions)."""
+    return [{**p, **p.get("diagnostics", {})} for p in record["params"]]
+
+
 # ---- end to end ---------------------------------------------------------------------------------
 
 def test_smoke_run_and_resume(trace_dir, tmp_path, monkeypatch):
@@ -561,7 +567,7 @@ def test_smoke_run_and_resume(trace_dir, tmp_path, monkeypatch):
     record = json.loads((only_run(straight) / "run.json").read_text())
     assert record["status"] == "complete"
     assert record["method_args"]["n_experts"] is None
-    params = record["params"]
+    params = flat_params(record)
     assert [p["n_experts"] for p in params] == [3, 3, 3] and params[0]["curvature_rank"] is None
     assert all(len(p["curvature_rank"]["h"]) == 2 for p in params[1:])
     assert all(len(p["router_grad_norm"]["per_step"]) == 2 for p in params)

@@ -104,25 +104,89 @@ def test_load_balancing_loss_on_a_fixed_routing(dense):
     layer.add_group(router_std=0.0)  # zero rows: the biases alone route
     layer.groups[0].router_bias.data = torch.tensor([0.4, 0.3] + [0.05] * 6).log()
     layer.train()
-    layer(tokens().unsqueeze(0))
+    with moe.balancing_losses() as lb:
+        layer(tokens().unsqueeze(0))
     # every token: P = (0.4, 0.3, 0.05, ...), top-2 = experts 0 and 1, so f = (0.5, 0.5, 0, ...)
     # loss = 0.01 * 8 * (0.5 * 0.4 + 0.5 * 0.3) = 0.028
-    torch.testing.assert_close(layer.aux_loss, torch.tensor(0.028))
+    assert len(lb.terms) == 1
+    torch.testing.assert_close(lb.total(), torch.tensor(0.028))
 
     layer.groups[0].router_bias.data = torch.zeros(8)  # uniform P = 1/8, f sums to 1: loss = coef
-    layer(tokens().unsqueeze(0))
-    torch.testing.assert_close(layer.aux_loss, torch.tensor(0.01))
-    model = torch.nn.Sequential(layer)
-    torch.testing.assert_close(moe.load_balancing_loss(model), torch.tensor(0.01))
-    assert layer.aux_loss is None  # read once, then cleared
+    with moe.balancing_losses() as lb:
+        layer(tokens().unsqueeze(0))
+        layer(tokens().unsqueeze(0))  # every training forward inside the block adds its term
+    torch.testing.assert_close(lb.total(), torch.tensor(0.02))
     layer.eval()
-    layer(tokens().unsqueeze(0))
-    assert layer.aux_loss is None  # only training forwards set it
+    with moe.balancing_losses() as lb:
+        layer(tokens().unsqueeze(0))
+    assert lb.terms == [] and lb.total().item() == 0.0  # only training forwards add one
     off = moe.UpcycledMoE(dense, lb_coef=0.0)
     off.add_group()
     off.train()
-    off(tokens().unsqueeze(0))
-    assert off.aux_loss is None
+    with moe.balancing_losses() as lb:
+        off(tokens().unsqueeze(0))
+    assert lb.terms == []
+
+
+def test_the_balancing_loss_is_collected_by_its_block_never_stored_on_a_module():
+    """No MoE forward leaves a tensor with a graph on any module (the loss used to be
+    kept as layer.aux_loss); terms of forwards outside a block go nowhere, those of a
+    nested block go to the nested one only."""
+    model, _, _ = tiny_llama(0)
+    moe.upcycle_model(model)
+    model.train()
+    ids = torch.randint(3, 259, (2, 8), generator=torch.Generator().manual_seed(0))
+
+    def stored_graphs():
+        return [(name, key) for name, m in model.named_modules() for key, v in vars(m).items()
+                if isinstance(v, torch.Tensor) and v.grad_fn is not None]
+
+    model(input_ids=ids)  # outside any block
+    assert stored_graphs() == []
+    with moe.balancing_losses() as outer:
+        model(input_ids=ids)
+        assert stored_graphs() == []
+        with moe.balancing_losses() as inner:
+            model(input_ids=ids)
+        model(input_ids=ids)
+    model(input_ids=ids)  # after the block: not collected
+    assert stored_graphs() == []
+    assert len(inner.terms) == 2 and len(outer.terms) == 4  # 2 MoE layers per forward
+    torch.testing.assert_close(outer.total(), 2 * inner.total())
+    assert inner.total().grad_fn is not None  # differentiable: it trains the routers
+    assert moe.balancing.active() is None  # the block closed
+    with pytest.raises(RuntimeError), moe.balancing_losses():  # closed on error too
+        raise RuntimeError
+    assert moe.balancing.active() is None
+    copy.deepcopy(model)  # no graph held anywhere
+
+
+def test_extra_gated_experts_route_as_a_layer_that_holds_them(dense):
+    """route/forward with an `extra` group and gates: gate 1 everywhere is the layer with
+    the group appended (balancing over E + n), gate 0 is the layer without it."""
+    torch.manual_seed(0)
+    layer = moe.UpcycledMoE(copy.deepcopy(dense), k=2)
+    layer.add_group(random_experts(0), router_std=1.0)
+    grown = copy.deepcopy(layer)
+    grown.add_group(random_experts(1), router_std=1.0)
+    extra = grown.groups[1]
+    x = tokens(30).unsqueeze(0)
+    layer.train()
+    grown.train()
+    with moe.balancing_losses() as gated, torch.no_grad():
+        y_on = layer(x, extra, torch.ones(K))
+        y_off = layer(x, extra, torch.zeros(K))
+    with moe.balancing_losses() as plain, torch.no_grad():
+        y_grown = grown(x)
+        y_alone = layer(x)
+    torch.testing.assert_close(y_on, y_grown, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(y_off, y_alone, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gated.terms[0], plain.terms[0], rtol=1e-5, atol=1e-7)  # 16 live experts
+    probs, _, indices = layer.route(x[0], extra, torch.zeros(K))
+    assert (indices < K).all() and (probs[:, K:] == 0).all()  # a gate 0: never chosen
+    half = torch.tensor([1.0, 0.0] * (K // 2))
+    probs, _, _ = layer.route(x[0], extra, half)
+    assert (probs[:, K + 1::2] == 0).all() and (probs[:, K::2] > 0).all()
 
 
 def test_router_row_i_scores_expert_i_after_adding_groups(dense):

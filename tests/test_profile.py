@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from cl_bench import precision, registry, results
-from cl_bench.config import PROFILES, build, resolve
+from cl_bench.config import build, resolve
+from cl_bench.profiles import PROFILES
 from conftest import only_run, run_cli, smoke_args
 
 

@@ -169,9 +169,9 @@ def test_a_signal_swallowed_while_the_model_loads_still_interrupts(trace_dir, tm
     """transformers' lazy imports swallow a KeyboardInterrupt raised inside them; the
     run must stop anyway, before its first stage (mutation caught: no check of the
     signal after preparing)."""
-    from cl_bench import sequencer
+    from cl_bench import prepare
 
-    real = sequencer.load
+    real = prepare.load
 
     def load_swallowing(*args, **kwargs):
         try:
@@ -181,7 +181,7 @@ def test_a_signal_swallowed_while_the_model_loads_still_interrupts(trace_dir, tm
             pass  # as import_utils does
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(sequencer, "load", load_swallowing)
+    monkeypatch.setattr(prepare, "load", load_swallowing)
     assert run_cli(*smoke_args(trace_dir, tmp_path / "runs", "--run-id", "r")) == 130
     record = _record(tmp_path / "runs" / "r")
     assert record["status"] == "interrupted" and record["stages_done"] == 0 and "SIGINT" in record["error"]

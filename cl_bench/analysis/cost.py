@@ -24,12 +24,12 @@ def cost(run_dir: Path, other_dir: Path, from_stage: int = 0, calibrate_stage: i
     the stages from `from_stage` that both finished."""
     run, other = read_finished(run_dir), read_finished(other_dir)
     for key in ("tasks", "profile"):
-        if run.get(key) != other.get(key):
-            raise UserError(f"{Path(other_dir) / RUN_FILE}: field {key} is {other.get(key)!r}, but "
-                            f"{Path(run_dir) / RUN_FILE} has {run.get(key)!r}; compare runs of one profile "
+        if getattr(run, key) != getattr(other, key):
+            raise UserError(f"{Path(other_dir) / RUN_FILE}: field {key} is {getattr(other, key)!r}, but "
+                            f"{Path(run_dir) / RUN_FILE} has {getattr(run, key)!r}; compare runs of one profile "
                             f"and task order")
-    timing = [{s["stage"]: s for s in r["timing"]["stages"]} for r in (run, other)]
-    per_step = [{b: s["train_s"] / s["steps"] for b, s in t.items()} for t in timing]
+    timing = [{s.stage: s for s in r.timing.stages} for r in (run, other)]
+    per_step = [{b: s.train_s / s.steps for b, s in t.items()} for t in timing]
     both = set(timing[0]) & set(timing[1])
     stages = sorted(b for b in both if b >= from_stage)
     if not stages:
@@ -39,14 +39,14 @@ def cost(run_dir: Path, other_dir: Path, from_stage: int = 0, calibrate_stage: i
                         f"finished ({sorted(both)})")
     ratio = {b: per_step[0][b] / per_step[1][b] for b in both}
     load = None if calibrate_stage is None else ratio[calibrate_stage]
-    rows = [{"stage": b, "task": run["stages"][b]["label"], "s_per_step": per_step[0][b],
+    rows = [{"stage": b, "task": run.stages[b].label, "s_per_step": per_step[0][b],
              "other_s_per_step": per_step[1][b], "step_ratio": ratio[b],
              **({} if load is None else {"calibrated_step_ratio": ratio[b] / load}),
-             "peak_rss_mb": timing[0][b].get("peak_rss_mb"), "other_peak_rss_mb": timing[1][b].get("peak_rss_mb")}
+             "peak_rss_mb": timing[0][b].peak_rss_mb, "other_peak_rss_mb": timing[1][b].peak_rss_mb}
             for b in stages]
     peak = [max(r[k] for r in rows) if all(r[k] for r in rows) else None
             for k in ("peak_rss_mb", "other_peak_rss_mb")]
-    out = {"run": run["run_id"], "other": other["run_id"], "from_stage": from_stage, "stages": rows,
+    out = {"run": run.run_id, "other": other.run_id, "from_stage": from_stage, "stages": rows,
            "median_step_ratio": statistics.median(r["step_ratio"] for r in rows),
            "peak_rss_mb": peak[0], "other_peak_rss_mb": peak[1],
            "peak_rss_ratio": peak[0] / peak[1] if all(peak) else None,

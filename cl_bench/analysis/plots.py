@@ -9,7 +9,8 @@ beside it. Each figure is drawn when the record holds its data:
 - forms.png: the share of each cell's predictions that have the task's answer
   form, with BWT's format and content parts (cl_bench/metrics/cl.py, bwt_split).
 - decisions.png: the expansion decision map [layer x slot] per task, Expand in
-  dark (methods whose parameter reports carry "decisions", as bilevel-cka).
+  dark (methods whose parameter reports carry the diagnostics "decisions", with
+  "decision_layers" naming its rows, as bilevel-cka).
 - cka.png: CKA per decoder layer between each earlier task's representation
   after the last stage and right after that task was learned (the record's
   "probes", written by runs with eval.cka_probe > 0; cl_bench/analysis/probes.py).
@@ -27,6 +28,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from cl_bench.record import RunRecord
 from cl_bench.results import read_finished
 
 
@@ -39,33 +41,33 @@ def _pyplot():
     return plt
 
 
-def _with_zero_shot(record: dict, iv: dict | None):
+def _with_zero_shot(record: RunRecord, iv: dict | None):
     """(labels, matrix, intervals) with the zero-shot row first where the run has one."""
     import numpy as np
 
-    labels = [f"{s['index'] + 1}: {s['label']}" for s in record["stages"]]
-    rows = list(record["matrix"])
-    cis = list((iv or {}).get("matrix_ci") or [[None] * len(record["tasks"])] * len(rows))
-    if record.get("zero_shot") is not None:
-        labels, rows = ["zero-shot", *labels], [record["zero_shot"], *rows]
-        cis = [(iv or {}).get("zero_shot_ci") or [None] * len(record["tasks"]), *cis]
+    labels = [f"{s.index + 1}: {s.label}" for s in record.stages]
+    rows = list(record.matrix)
+    cis = list((iv or {}).get("matrix_ci") or [[None] * len(record.tasks)] * len(rows))
+    if record.zero_shot is not None:
+        labels, rows = ["zero-shot", *labels], [record.zero_shot, *rows]
+        cis = [(iv or {}).get("zero_shot_ci") or [None] * len(record.tasks), *cis]
     return labels, np.array([[np.nan if v is None else v for v in row] for row in rows], dtype=float), cis
 
 
-def _summary_title(record: dict, iv: dict | None, keys) -> str:
+def _summary_title(record: RunRecord, iv: dict | None, keys) -> str:
     from cl_bench.report import SUMMARY_NAMES, with_ci
 
-    summary = {**(record.get("summary") or {}), **((iv or {}).get("summary") or {})}
+    summary = {**(record.summary or {}), **((iv or {}).get("summary") or {})}
     cis = (iv or {}).get("summary_ci") or {}
     return " | ".join(f"{SUMMARY_NAMES[k]} {with_ci(summary[k], cis.get(k))}" for k in keys
                       if summary.get(k) is not None)
 
 
-def heatmap(record: dict, path: Path, iv: dict | None = None) -> Path:
+def heatmap(record: RunRecord, path: Path, iv: dict | None = None) -> Path:
     import numpy as np
 
     plt = _pyplot()
-    tasks = record["tasks"]
+    tasks = record.tasks
     labels, matrix, cis = _with_zero_shot(record, iv)
     fig, ax = plt.subplots(figsize=(1.3 * len(tasks) + 3.5, 0.7 * len(labels) + 2))
     image = ax.imshow(matrix, cmap="viridis", vmin=0, vmax=max(1.0, float(np.nanmax(matrix)) if np.isfinite(matrix).any() else 1.0))
@@ -79,20 +81,20 @@ def heatmap(record: dict, path: Path, iv: dict | None = None) -> Path:
     ax.set_xlabel("task evaluated")
     ax.set_ylabel("after stage")
     title = _summary_title(record, iv, ("last_acc", "stage_acc", "bwt", "fwt"))
-    ax.set_title(f"{record['method']} on {record['model']['id']} (95% intervals over items)\n{title}", fontsize=8)
+    ax.set_title(f"{record.method} on {record.model['id']} (95% intervals over items)\n{title}", fontsize=8)
     fig.colorbar(image, ax=ax, label="score (0-100)")
     return _save(fig, path)
 
 
-def tasks_figure(record: dict, path: Path, iv: dict | None) -> Path | None:
+def tasks_figure(record: RunRecord, path: Path, iv: dict | None) -> Path | None:
     """Per task: zero-shot, right after learning (R[j][j]) and at the end (R[T-1][j])."""
     import numpy as np
 
     plt = _pyplot()
-    R, tasks = record["matrix"], record["tasks"]
+    R, tasks = record.matrix, record.tasks
     if len(R) != len(tasks) or iv is None:
         return None
-    zero, zci = record.get("zero_shot"), iv.get("zero_shot_ci")
+    zero, zci = record.zero_shot, iv.get("zero_shot_ci")
     bars = [("zero-shot", [None if zero is None else zero[j] for j in range(len(tasks))],
              [None if zci is None else zci[j] for j in range(len(tasks))]),
             ("just learned", [R[j][j] for j in range(len(tasks))], [iv["matrix_ci"][j][j] for j in range(len(tasks))]),
@@ -103,28 +105,29 @@ def tasks_figure(record: dict, path: Path, iv: dict | None) -> Path | None:
         v = np.array([np.nan if a is None else a for a in values])
         err = np.array([[0, 0] if c is None or a is None else [a - c[0], c[1] - a] for a, c in zip(values, cis)]).T
         ax.bar(x + (k - 1) * 0.27, v, 0.27, yerr=err, capsize=2, label=label)
+    majority = record.majority or {}
     for j, task in enumerate(tasks):
-        m = (record.get("majority") or {}).get(task)
+        m = majority.get(task)
         if m:
             ax.hlines(m["score"], j - 0.42, j + 0.42, colors="k", linestyles="dashed",
-                      label="majority class" if j == min(i for i, t in enumerate(tasks) if t in record["majority"]) else None)
+                      label="majority class" if j == min(i for i, t in enumerate(tasks) if t in majority) else None)
     ax.set_xticks(x, tasks, rotation=30, ha="right")
     ax.set_ylabel("score (0-100), 95% intervals")
-    ax.set_title(f"{record['method']}: learned and kept\n" + _summary_title(record, iv, ("bwt", "fwt")), fontsize=9)
+    ax.set_title(f"{record.method}: learned and kept\n" + _summary_title(record, iv, ("bwt", "fwt")), fontsize=9)
     ax.legend(fontsize=7)
     return _save(fig, path)
 
 
-def forms(record: dict, path: Path, iv: dict | None) -> Path | None:
+def forms(record: RunRecord, path: Path, iv: dict | None) -> Path | None:
     import numpy as np
 
     plt = _pyplot()
     if iv is None or not iv.get("form_share"):
         return None
-    tasks = record["tasks"]
-    labels = [f"{s['index'] + 1}: {s['label']}" for s in record["stages"]]
+    tasks = record.tasks
+    labels = [f"{s.index + 1}: {s.label}" for s in record.stages]
     rows = iv["form_share"]
-    if record.get("zero_shot") is not None and iv.get("zero_shot_form_share"):
+    if record.zero_shot is not None and iv.get("zero_shot_form_share"):
         labels, rows = ["zero-shot", *labels], [iv["zero_shot_form_share"], *rows]
     share = np.array([[np.nan if v is None else 100 * v for v in row] for row in rows], dtype=float)
     fig, ax = plt.subplots(figsize=(1.1 * len(tasks) + 3.5, 0.6 * len(labels) + 2))
@@ -135,33 +138,35 @@ def forms(record: dict, path: Path, iv: dict | None) -> Path | None:
                     fontsize=8)
     ax.set_xticks(range(len(tasks)), tasks, rotation=30, ha="right")
     ax.set_yticks(range(len(labels)), labels)
-    ax.set_title(f"{record['method']}: share of answers in the task's form\n"
+    ax.set_title(f"{record.method}: share of answers in the task's form\n"
                  + _summary_title(record, iv, ("bwt", "bwt_format", "bwt_content")), fontsize=8)
     fig.colorbar(image, ax=ax, label="well-formed predictions (%)")
     return _save(fig, path)
 
 
-def decisions(record: dict, path: Path) -> Path | None:
+def decisions(record: RunRecord, path: Path) -> Path | None:
+    """The diagnostics "decisions" of the parameter rows: [layer][slot] of 0/1."""
     plt = _pyplot()
-    rows = [p for p in record.get("params") or [] if p.get("decisions")]
+    rows = [p for p in record.params if p.diagnostics.get("decisions")]
     if not rows:
         return None
     fig, axes = plt.subplots(1, len(rows), figsize=(max(2.2 * len(rows) + 1, 4), 4.5), squeeze=False)
     for ax, row in zip(axes[0], rows):
-        layers = row.get("decision_layers") or list(range(len(row["decisions"])))
-        ax.imshow(row["decisions"], cmap="Greys", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
-        ax.set_title(f"stage {row['stage'] + 1}\nexpand {100 * row.get('expansion_rate', 0):.0f}%", fontsize=9)
+        grid = row.diagnostics["decisions"]
+        layers = row.diagnostics.get("decision_layers") or list(range(len(grid)))
+        ax.imshow(grid, cmap="Greys", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
+        ax.set_title(f"stage {row.stage + 1}\nexpand {100 * (row.expansion_rate or 0):.0f}%", fontsize=9)
         ax.set_xlabel("slot")
         step = max(1, len(layers) // 10)
         ax.set_yticks(range(0, len(layers), step), [layers[i] for i in range(0, len(layers), step)])
     axes[0][0].set_ylabel("decoder layer")
-    fig.suptitle(f"{record['method']}\nExpand (dark) / Recycle (light)", fontsize=10)
+    fig.suptitle(f"{record.method}\nExpand (dark) / Recycle (light)", fontsize=10)
     return _save(fig, path)
 
 
-def cka(record: dict, path: Path) -> Path | None:
+def cka(record: RunRecord, path: Path) -> Path | None:
     plt = _pyplot()
-    probes = record.get("probes") or {}
+    probes = record.probes or {}
     by_stage = probes.get("cka") or {}
     if not by_stage:
         return None
@@ -172,7 +177,7 @@ def cka(record: dict, path: Path) -> Path | None:
     ax.set_xlabel("decoder layer")
     ax.set_ylabel("CKA with the model right after the task")
     ax.set_ylim(0, 1.02)
-    ax.set_title(f"{record['method']}: representations of earlier tasks after stage {int(last) + 1}",
+    ax.set_title(f"{record.method}: representations of earlier tasks after stage {int(last) + 1}",
                  fontsize=9)
     ax.legend(fontsize=7)
     return _save(fig, path)
@@ -181,9 +186,9 @@ def cka(record: dict, path: Path) -> Path | None:
 RARE_SHARE = 0.05  # experts under this share of the assignments are marked
 
 
-def sharpness(record: dict, path: Path) -> Path | None:
+def sharpness(record: RunRecord, path: Path) -> Path | None:
     plt = _pyplot()
-    by_stage = (record.get("probes") or {}).get("sharpness") or {}
+    by_stage = (record.probes or {}).get("sharpness") or {}
     if not by_stage:
         return None
     last = max(by_stage, key=int)
@@ -201,7 +206,7 @@ def sharpness(record: dict, path: Path) -> Path | None:
         ax.set_ylabel(label)
         ax.set_yscale("symlog", linthresh=1e-3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"{record['method']}: sharpness of the newest experts after stage {int(last) + 1}", fontsize=10)
+    fig.suptitle(f"{record.method}: sharpness of the newest experts after stage {int(last) + 1}", fontsize=10)
     return _save(fig, path)
 
 

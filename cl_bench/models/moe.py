@@ -8,7 +8,8 @@ and W_down: [d, H] is replaced in place by
 - expert i of a group of K takes rows [i*h, (i+1)*h) of W_gate and W_up and the
   same columns of W_down, h = H / K (a "slice"); the K slices of a group summed
   with weight 1 are the dense MLP exactly. Each expert records the slice it
-  came from (its slot, a buffer of its group).
+  came from (its slot, a buffer of its group). Other initialisers:
+  cl_bench/models/expert_init.py.
 - router: one row (and bias) per expert, softmax over all E experts in fp32,
   top-k, weights renormalised to sum to 1 (no noise, no capacity limit).
 - shared path, two modes (`shared`):
@@ -28,8 +29,14 @@ and W_down: [d, H] is replaced in place by
 - load balancing (Switch): coef * E * sum_i f_i * P_i, with f_i the share of the
   N*k token->expert assignments that go to expert i (sums to 1, as MegaBlocks;
   Mixtral's f sums to k) and P_i the mean router probability of expert i over
-  the N tokens. Set on the layer as `aux_loss` by every training forward;
-  `load_balancing_loss(model)` sums it over layers.
+  the N tokens. Never stored on a layer: the training forwards run inside
+  `with balancing_losses() as lb:` (cl_bench/models/balancing.py) add their
+  term to `lb`; outside such a block none is computed.
+- extra experts: `forward`/`route`/`experts_forward` take an optional `extra`
+  group routed after the layer's own experts (row E + c scores extra expert c,
+  which stands in for the slot `extra.slots[c]`), each behind a gate in [0, 1]
+  multiplying its softmax numerator (0: not routable); balancing then counts
+  E + sum(gates) live experts (bilevel-cka's supernet).
 
 Experts live in groups (`ExpertGroup`): stacked tensors gate/up [n, h, d] and
 down [n, d, h] plus the group's own router rows [n, d] and biases [n]. The
@@ -49,67 +56,19 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from cl_bench.errors import UserError
-
-# (dense MLP, K) -> gate [n, h, d], up [n, h, d], down [n, d, h]
-ExpertInit = Callable[[nn.Module, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+from cl_bench.models import balancing
+from cl_bench.models.balancing import BalancingLosses, balancing_losses  # noqa: F401 (re-exported)
+from cl_bench.models.expert_init import (ExpertInit, drop_upcycle_experts, drop_upcycle_init,  # noqa: F401
+                                         slice_experts, zero_experts)
 
 SAVE_FORMAT = "cl-bench-upcycled/2"
 SHARED_MODES = ("swap", "add")
-
-
-# ---- expert initialisers ------------------------------------------------------
-
-def slice_experts(dense: nn.Module, n_per_group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The K SwiGLU slices of `dense`, copied: expert i = rows [i*h, (i+1)*h) of
-    gate/up, the same columns of down."""
-    gate_w = dense.gate_proj.weight.detach()  # (H, d)
-    H, d = gate_w.shape
-    h = H // n_per_group
-    gate = gate_w.reshape(n_per_group, h, d).clone()  # (K, h, d)
-    up = dense.up_proj.weight.detach().reshape(n_per_group, h, d).clone()
-    down = dense.down_proj.weight.detach().reshape(d, n_per_group, h).permute(1, 0, 2).contiguous()  # (K, d, h)
-    return gate, up, down
-
-
-def drop_upcycle_experts(dense: nn.Module, n_per_group: int, ratio: float = 0.5):
-    """Drop-Upcycling (Nakamura et al., 2025) on the slices: in each expert, one
-    random set of floor(ratio*h) neurons is re-initialised, shared by the gate
-    rows, up rows and down columns (the paper; its code draws a set per matrix).
-    Each replaced block is drawn from N(mu, sigma) with mu, sigma the mean and std
-    of the entries it replaces, per matrix and expert (as the code's
-    `shuffle_and_partially_initialize`)."""
-    gate, up, down = slice_experts(dense, n_per_group)
-    n, h = gate.shape[0], gate.shape[1]
-    n_drop = int(ratio * h)
-    for i in range(n):
-        idx = torch.randperm(h)[:n_drop].to(gate.device)
-        gate[i, idx] = _redraw(gate[i, idx])  # (n_drop, d)
-        up[i, idx] = _redraw(up[i, idx])
-        down[i][:, idx] = _redraw(down[i][:, idx])  # (d, n_drop)
-    return gate, up, down
-
-
-def drop_upcycle_init(ratio: float) -> ExpertInit:
-    return functools.partial(drop_upcycle_experts, ratio=ratio)
-
-
-def _redraw(w: torch.Tensor) -> torch.Tensor:
-    return torch.randn_like(w) * w.std() + w.mean()  # tensors, not .item(): works on meta
-
-
-def _zero_experts(dense: nn.Module, n_per_group: int, n: int):
-    """Placeholders of the right shape for `rebuild` (weights are loaded after)."""
-    H, d = dense.gate_proj.weight.shape
-    h = H // n_per_group
-    like = dense.gate_proj.weight
-    return (like.new_zeros(n, h, d), like.new_zeros(n, h, d), like.new_zeros(n, d, h))
 
 
 # ---- the layer ------------------------------------------------------------------
@@ -167,7 +126,6 @@ class UpcycledMoE(nn.Module):
         w = dense.gate_proj.weight
         self.routed_scale = (nn.Parameter(torch.full((), float(routed_scale_init), dtype=w.dtype,
                                                      device=w.device)) if shared == "add" else None)
-        self.aux_loss: torch.Tensor | None = None  # set by each training forward
 
     @property
     def n_experts(self) -> int:
@@ -211,40 +169,59 @@ class UpcycledMoE(nn.Module):
     def slots(self) -> torch.Tensor:
         return torch.cat([g.slots for g in self.groups])  # (E,)
 
-    def experts(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(gate [h, d], up [h, d], down [d, h]) of each expert, in router-row order.
-        unbind views: their backward is one stack per group."""
-        return [e for g in self.groups for e in zip(g.gate.unbind(0), g.up.unbind(0), g.down.unbind(0))]
+    def experts(self, extra: ExpertGroup | None = None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(gate [h, d], up [h, d], down [d, h]) of each expert, in router-row order
+        (`extra`'s after the layer's). unbind views: their backward is one stack per group."""
+        groups = list(self.groups) if extra is None else [*self.groups, extra]
+        return [e for g in groups for e in zip(g.gate.unbind(0), g.up.unbind(0), g.down.unbind(0))]
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: (N, d) -> probs (N, E) fp32, weights (N, k) fp32 summing to 1, indices (N, k)."""
-        if self.k > self.n_experts:
-            raise ValueError(f"top-{self.k} routing over {self.n_experts} experts")
-        logits = F.linear(x.float(), self.router_weight().float(), self.router_bias().float())
-        probs = logits.softmax(dim=-1)
+    def route(self, x: torch.Tensor, extra: ExpertGroup | None = None,
+              gates: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (N, d) -> probs (N, E') fp32, weights (N, k) fp32 summing to 1, indices (N, k);
+        E' = E, or E + n with the n experts of `extra` after the layer's. `gates` (n,):
+        extra expert c's softmax numerator times gates[c], the softmax taken as
+        exp(z - max z) / sum (a gate 0 gives probability 0: never chosen)."""
+        n_total = self.n_experts + (len(extra) if extra is not None else 0)
+        if self.k > n_total:
+            raise ValueError(f"top-{self.k} routing over {n_total} experts")
+        weight, bias = self.router_weight(), self.router_bias()  # (E, d), (E,)
+        if extra is not None:
+            weight = torch.cat([weight, extra.router_weight])  # (E+n, d)
+            bias = torch.cat([bias, extra.router_bias])
+        logits = F.linear(x.float(), weight.float(), bias.float())
+        if gates is None:
+            probs = logits.softmax(dim=-1)
+        else:
+            present = torch.cat([logits.new_ones(self.n_experts), gates.float()])  # (E+n,)
+            # the max over every entry keeps exp <= 1 (no inf * 0 at a gate 0); the ratio is the softmax's
+            num = (logits - logits.detach().amax(dim=-1, keepdim=True)).exp() * present
+            probs = num / num.sum(dim=-1, keepdim=True)
         top, indices = probs.topk(self.k, dim=-1)
         return probs, top / top.sum(dim=-1, keepdim=True), indices
 
-    def balance_loss(self, probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    def balance_loss(self, probs: torch.Tensor, indices: torch.Tensor, n_live: float | None = None) -> torch.Tensor:
         """coef * E * sum_i f_i * P_i (Switch Transformer, Fedus et al. 2021, eq. 4);
-        f_i: share of the N*k assignments routed to i; P_i: mean probability of i."""
+        f_i: share of the N*k assignments routed to i; P_i: mean probability of i;
+        E: `n_live` where given (experts behind gates count by their gate), else all."""
         E = probs.shape[-1]
         f = torch.bincount(indices.reshape(-1), minlength=E).to(probs.dtype) / indices.numel()
-        return self.lb_coef * E * torch.dot(f, probs.mean(dim=0))
+        return self.lb_coef * (E if n_live is None else n_live) * torch.dot(f, probs.mean(dim=0))
 
-    def experts_forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    def experts_forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                        extra: ExpertGroup | None = None) -> torch.Tensor:
         """sum_j weights[:, j] * expert_{indices[:, j]}(x), grouped by expert: the
         N*k assignments are sorted by expert, each expert runs once on its own
         tokens (experts without tokens are skipped), results are added back.
-        x: (N, d); weights, indices: (N, k) -> (N, d)."""
+        x: (N, d); weights, indices: (N, k) -> (N, d); indices count `extra` after the layer's."""
+        experts = self.experts(extra)
         N, k = indices.shape
         flat = indices.reshape(-1)  # (N*k,)
         order = torch.argsort(flat, stable=True)
         token = order // k  # token of each sorted assignment
-        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        counts = torch.bincount(flat, minlength=len(experts)).tolist()
         xs = x.index_select(0, token)  # (N*k, d), grouped by expert
         outs, start = [], 0
-        for (gate, up, down), n in zip(self.experts(), counts):
+        for (gate, up, down), n in zip(experts, counts):
             if n:
                 xe = xs[start:start + n]
                 outs.append((self.dense.act_fn(xe @ gate.T) * (xe @ up.T)) @ down.T)  # (n, d)
@@ -254,24 +231,30 @@ class UpcycledMoE(nn.Module):
         ys = torch.cat(outs) * weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)  # (N*k, d)
         return torch.zeros_like(x).index_add(0, token, ys)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, extra: ExpertGroup | None = None,
+                gates: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (B, T, d) -> (B, T, d); `extra`, `gates`: as `route`."""
         shape = x.shape  # (B, T, d)
         flat = x.reshape(-1, shape[-1])  # (N, d)
-        probs, weights, indices = self.route(flat)
-        use_lb = self.training and self.lb_coef > 0
-        self.aux_loss = self.balance_loss(probs, indices) if use_lb else None
-        routed = self.experts_forward(flat, weights, indices)
+        probs, weights, indices = self.route(flat, extra, gates)
+        collector = balancing.active()
+        if collector is not None and self.training and self.lb_coef > 0:
+            live = None if gates is None else self.n_experts + float(gates.detach().sum())
+            collector.add(self.balance_loss(probs, indices, live))
+        routed = self.experts_forward(flat, weights, indices, extra)
         if self.shared == "add":
             return self.dense(x) + self.routed_scale * routed.reshape(shape)
-        return (self.swapped_dense(flat, weights, indices) + routed).reshape(shape)
+        return (self.swapped_dense(flat, weights, indices, extra) + routed).reshape(shape)
 
-    def swapped_dense(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    def swapped_dense(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                      extra: ExpertGroup | None = None) -> torch.Tensor:
         """The dense MLP with each slot's neurons scaled by 1 - (weight routed to
         experts of that slot). x: (N, d); weights, indices: (N, k) -> (N, d)."""
         dense = self.dense
+        slots = self.slots() if extra is None else torch.cat([self.slots(), extra.slots])  # (E',)
         inter = dense.act_fn(dense.gate_proj(x)) * dense.up_proj(x)  # (N, H)
         taken = x.new_zeros(x.shape[0], self.n_per_group)  # (N, K)
-        taken.scatter_add_(1, self.slots()[indices], weights.to(x.dtype))
+        taken.scatter_add_(1, slots[indices], weights.to(x.dtype))
         keep = (1 - taken).repeat_interleave(self.h, dim=1)  # (N, H)
         return dense.down_proj(inter * keep)
 
@@ -357,24 +340,8 @@ def rebuild(model: nn.Module, layout: list, *, k: int = 2, n_per_group: int = 8,
         if have != list(want[:len(have)]):
             raise ValueError(f"layer {i} has groups {have}, which are not a prefix of {list(want)}")
         for n in want[len(have):]:
-            block.mlp.add_group(functools.partial(_zero_experts, n=n), router_std=0.0)
+            block.mlp.add_group(functools.partial(zero_experts, n=n), router_std=0.0)
     return moe_layers(model)
-
-
-def load_balancing_loss(model: nn.Module, clear: bool = True) -> torch.Tensor:
-    """Sum over MoE layers of the balancing loss of their last training forward
-    (0 if none). Clears it by default, so a stale value is never added twice and
-    the layer holds no graph afterwards (deepcopy of a model fails on it)."""
-    total = None
-    for layer in moe_layers(model):
-        if layer.aux_loss is not None:
-            total = layer.aux_loss if total is None else total + layer.aux_loss
-            if clear:
-                layer.aux_loss = None
-    if total is None:
-        p = next(model.parameters())
-        return torch.zeros((), device=p.device)
-    return total
 
 
 def save_upcycled(model: nn.Module, path: str | Path) -> None:

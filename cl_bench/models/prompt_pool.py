@@ -1,5 +1,6 @@
 """Per-sequence pooling over prompt tokens, for layers that route a whole sequence
-by its prompt (CaRE; SAME's per-sequence prompt mean is the same need).
+by its prompt (CaRE's perceiver input, SAME's per-sequence router mean): the one
+place that builds the prompt masks.
 
 Which tokens are "the prompt" depends on the kind of forward:
 
@@ -21,7 +22,8 @@ forward and holds the pooling mask for the layers to read: the layers only see
 hidden states, never the labels, the attention mask or the cache. Pooling a
 prompt is non-causal within the prompt, so a prefill must hold the whole
 prompt: a multi-token forward that continues a non-empty cache (chunked
-prefill) is refused.
+prefill) is refused (`refuse_chunked=False`: any forward after a non-empty
+cache is a decode step, SAME's rule).
 
 Letters: B batch, T tokens in this forward, d width.
 """
@@ -37,18 +39,28 @@ IGNORE = -100  # as cl_bench.data.IGNORE
 POOL, DECODE = "pool", "decode"
 
 
+def prompt_tokens(attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: the attended tokens whose label is -100, as they are (no fallback
+    for a row without any, position 0 kept)."""
+    return attention_mask.bool() & (labels == IGNORE)
+
+
+def first_tokens(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: each row's first attended token (left or right padding)."""
+    return attention_mask.bool() & (attention_mask.long().cumsum(dim=1) == 1)
+
+
 def prompt_mask(attention_mask: torch.Tensor, labels: torch.Tensor | None = None,
                 skip_first: bool = True) -> torch.Tensor:
     """(B, T) bool: the tokens each row pools (module docstring). `attention_mask`
     (B, T) of 0/1; `labels` (B, T) with -100 on prompt tokens, or None (prefill:
     every attended token is prompt)."""
     attended = attention_mask.bool()
-    prompt = attended if labels is None else attended & (labels == IGNORE)
+    prompt = attended if labels is None else prompt_tokens(attention_mask, labels)
     prompt = torch.where(prompt.any(dim=1, keepdim=True), prompt, attended)  # no prompt: all attended
     if not skip_first:
         return prompt
-    first = attended & (attention_mask.long().cumsum(dim=1) == 1)  # left or right padding
-    rest = prompt & ~first
+    rest = prompt & ~first_tokens(attention_mask)
     return torch.where(rest.any(dim=1, keepdim=True), rest, prompt)  # one-token prompt: keep it
 
 
@@ -62,17 +74,24 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 @dataclass
 class PromptPool:
     """What the running forward is, for the layers: `kind` POOL (a training forward
-    or a prefill; `mask` (B, T) the tokens to pool) or DECODE (`mask` None)."""
+    or a prefill; `mask` (B, T) the tokens to pool, `attended` (B, T) bool the
+    attended tokens) or DECODE (both None)."""
 
     kind: str = POOL
     mask: torch.Tensor | None = None
     skip_first: bool = True
+    refuse_chunked: bool = True  # a multi-token or labelled forward after a non-empty cache: an error
+    attended: torch.Tensor | None = None
 
     def install(self, model: nn.Module):
         """Keep this pool up to date on every forward of `model`; returns the hook handle."""
         return model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.read(args, kwargs)
+
+    def read(self, args: tuple, kwargs: dict) -> None:
+        """Classify the forward of the model called with (args, kwargs) (module docstring)."""
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs["inputs_embeds"][..., 0]  # (B, T): only its shape is used
@@ -83,12 +102,12 @@ class PromptPool:
             cache = kwargs.get("past_key_values")
         cached = cache is not None and cache.get_seq_length() > 0
         if cached:
-            if labels is not None or ids.shape[1] != 1:
+            if self.refuse_chunked and (labels is not None or ids.shape[1] != 1):
                 raise ValueError(
                     f"prompt pooling needs the whole prompt in one prefill; got a forward of "
                     f"{ids.shape[1]} tokens{' with labels' if labels is not None else ''} after "
                     f"{cache.get_seq_length()} cached ones (chunked prefill is not supported)")
-            self.kind, self.mask = DECODE, None
+            self.kind, self.mask, self.attended = DECODE, None, None
             return
         mask = kwargs.get("attention_mask")
         if mask is None:
@@ -96,4 +115,4 @@ class PromptPool:
         if mask.dim() != 2:
             raise ValueError(f"prompt pooling needs a 2-D attention mask (B, T), got shape "
                              f"{tuple(mask.shape)}")
-        self.kind, self.mask = POOL, prompt_mask(mask, labels, self.skip_first)
+        self.kind, self.mask, self.attended = POOL, prompt_mask(mask, labels, self.skip_first), mask.bool()

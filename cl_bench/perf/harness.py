@@ -24,12 +24,13 @@ from tqdm import tqdm
 from cl_bench import registry
 from cl_bench.backends.torch_backend import TorchBackend
 from cl_bench.benchmarks.trace import load_task, resolve_data_dir
-from cl_bench.config import PROFILES, build
+from cl_bench.config import build
 from cl_bench.data import IGNORE, Encoder, epoch_order, steps, tokenize_train
 from cl_bench.errors import UserError
 from cl_bench.generation import greedy_generate
 from cl_bench.method import MethodContext, Stage
 from cl_bench.models.loading import load
+from cl_bench.profiles import PROFILES
 
 
 def _setup(args):

@@ -20,6 +20,7 @@ import time
 import torch
 from torch import nn
 
+from cl_bench.models.balancing import balancing_losses
 from cl_bench.models.moe import UpcycledMoE
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,8 @@ def _layer(dense: nn.Module, n_experts: int, k: int, all_trainable: bool) -> Upc
 def _fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> float:
     x = x.detach().requires_grad_()  # the residual stream carries gradient past the layer
     t0 = time.perf_counter()
-    module(x).backward(grad)
+    with balancing_losses():  # a training forward computes its balancing term, as in a method's loss
+        module(x).backward(grad)
     return time.perf_counter() - t0
 
 
@@ -115,7 +117,8 @@ def upcycle_gap(args) -> dict:
     from cl_bench.config import PROFILES, build
     from cl_bench.data import Encoder, tokenize_train
     from cl_bench.models.loading import load
-    from cl_bench.models.moe import drop_upcycle_init, slice_experts, upcycle_model
+    from cl_bench.models.expert_init import drop_upcycle_init, slice_experts
+    from cl_bench.models.moe import upcycle_model
 
     config = build({**PROFILES["cpu"], "profile": "cpu", "model": args.model}, "perf")
     loaded = load(args.model, config.seed)

@@ -1,11 +1,11 @@
 """bilevel-cka: CKA-guided bilevel MoE upcycling, the paper's algorithm done as
 METHODS.md ("bilevel-cka") fixes it.
 
-Task 0 is Standard upcycling (methods/upcycle.py: K = 8 slice experts, top-2,
-Switch balancing, the frozen dense MLP as the shared path). Task t >= 1, in each
-candidate layer: a trainable clone of each active expert a_c, with a router row
-of its own, routable beside a_c where its hard straight-through Gumbel mask
-pi_c = 1 (supernet.py), and
+Task 0 is Standard upcycling (the core's pieces, cl_bench/models/upcycling.py:
+K = 8 slice experts, top-2, Switch balancing, the frozen dense MLP as the shared
+path). Task t >= 1, in each candidate layer: a trainable clone of each active
+expert a_c, with a router row of its own, routable beside a_c where its hard
+straight-through Gumbel mask pi_c = 1 (supernet.py), and
 
     L_in  = L_task + lambda_CKA * L_CKA + lambda_replay * L_replay       every step
     L_CKA = mean_{l in deep} 1 - CKA(Phi_l, Phi_l^old)                  replay batch, layer outputs
@@ -13,7 +13,7 @@ pi_c = 1 (supernet.py), and
 
 the outer loss trained on the mask logits alpha every N steps (search.py); at
 the end, sigmoid(alpha_e - alpha_r) > 0.5 -> Expand (the clone joins as a new
-expert), else Recycle (record.py).
+expert), else Recycle (record.py). Arguments: args.py.
 
 Source: CKA-guided bilevel MoE upcycling (ICML 2026); its published code as
 bilevel-reference.md describes it. Full account (routing choice, schedule,
@@ -32,9 +32,9 @@ Differs from the paper/code (bilevel-reference.md §8), on purpose:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,73 +42,32 @@ from torch import nn
 
 from cl_bench.analysis.cka import linear_cka
 from cl_bench.errors import UserError
-from cl_bench.method import Stage, lm_loss
-from cl_bench.methods.upcycle import Upcycle, UpcycleArgs
-from cl_bench.models.moe import decoder_layers, load_balancing_loss, moe_layers
+from cl_bench.method import Method, Stage, lm_loss
+from cl_bench.models.balancing import balancing_losses
+from cl_bench.models.expert_init import slice_experts
+from cl_bench.models.modes import device_of
+from cl_bench.models.moe import decoder_layers, group_sizes, moe_layers, rebuild, upcycle_model
+from cl_bench.models.params import count
+from cl_bench.models.upcycling import grow_groups, lm_and_balancing, moe_settings, train_newest_group
 from cl_bench.registry import register_method
 
-from .record import _Record, spread_decisions
-from .search import CHECK_BATCHES, _Search, _Task, mask_schedule, no_update_error, reachable_mask_lr
+from .args import MASK_INITS, MASK_MODES, RANDOM_INIT_STD, BilevelCKAArgs
+from .record import decisions_for_schedule, finalise, spread_decisions
+from .search import (CHECK_BATCHES, LayerFeatures, _Task, mask_schedule, no_update_error, outer_step,
+                     reachable_mask_lr)
 from .supernet import _Supernet, balance, pair_shares, straight_through_gumbel
 
 __all__ = ["BilevelCKA", "BilevelCKAArgs", "MASK_MODES", "MASK_INITS", "RANDOM_INIT_STD", "CHECK_BATCHES",
            "straight_through_gumbel", "balance", "mask_schedule", "reachable_mask_lr", "no_update_error",
            "pair_shares", "spread_decisions"]
 
-MASK_MODES = ("on", "off")
-MASK_INITS = ("prior", "random")
-RANDOM_INIT_STD = 0.1  # mask_init=random: the paper code's MASK_OVERRIDE=random, N(0, 0.1)
-
 # Letters: L_c candidate layers, K slots (experts per task), B, T, N, d, E as in moe.py.
 
 
-@dataclass
-class BilevelCKAArgs(UpcycleArgs):
-    # supernet and masks
-    candidate_layers: list[int] | None = None  # decoder layers with a supernet; None: every MoE layer
-    mask: str = "on"  # on: learned masks; off: every slot expands (ablation "CKA only")
-    mask_init: str = "prior"  # prior: p_expand = init_expand_prob; random: logits ~ N(0, 0.1^2)
-    init_expand_prob: float = 0.6
-    mask_lr: float = 0.01  # Adam on the mask logits; raised per task where Recycle is out of reach
-    mask_every: int = 10  # N: an outer step every N optimiser steps
-    min_mask_updates: int = 4  # N shrinks so a task has at least this many outer steps; 0: keep N
-    tau0: float = 5.0
-    tau_decay: float = 0.995  # rho; lowered per task when tau would not reach tau_final
-    tau_final: float = 0.1
-    # inner loss
-    lambda_cka: float = 0.15
-    lambda_replay: float = 1.0
-    cka_layers: list[int] | None = None  # decoder layers whose outputs CKA compares; None: last third
-    cka_max_tokens: int = 1024  # replay tokens per CKA (evenly spaced when more)
-    # outer loss
-    gamma: float = 0.35  # knowledge-gain weight
-    beta: float = 0.4  # balance weight
-    r_target: float = 0.5  # target expansion rate
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.mask not in MASK_MODES:
-            raise UserError(f"method_args.mask={self.mask!r}: choose one of {', '.join(MASK_MODES)}")
-        if self.mask_init not in MASK_INITS:
-            raise UserError(f"method_args.mask_init={self.mask_init!r}: choose one of {', '.join(MASK_INITS)}")
-        if not 0 < self.init_expand_prob < 1:
-            raise UserError(f"method_args.init_expand_prob={self.init_expand_prob} must be in (0, 1)")
-        if self.mask_every < 1 or self.min_mask_updates < 0 or self.cka_max_tokens < 2:
-            raise UserError("method_args: mask_every must be >= 1, min_mask_updates >= 0 and "
-                            "cka_max_tokens >= 2")
-        if not (0 < self.tau_final <= self.tau0 and 0 < self.tau_decay <= 1):
-            raise UserError(f"method_args: need 0 < tau_final ({self.tau_final}) <= tau0 ({self.tau0}) "
-                            f"and 0 < tau_decay ({self.tau_decay}) <= 1")
-        for name in ("lambda_cka", "lambda_replay", "gamma", "beta", "mask_lr"):
-            if getattr(self, name) < 0:
-                raise UserError(f"method_args.{name}={getattr(self, name)} must be >= 0")
-        if not 0 <= self.r_target <= 1:
-            raise UserError(f"method_args.r_target={self.r_target} must be in [0, 1]")
-
-
 @register_method("bilevel-cka")
-class BilevelCKA(_Record, _Search, Upcycle):
+class BilevelCKA(Method):
     description = "CKA-guided bilevel upcycling: clones of the active experts, learned masks pick Expand/Recycle"
+    lr_family = "expert"
     Args = BilevelCKAArgs
     zero_unsupported = dict.fromkeys((2, 3), (
         "its outer step trains the mask logits with their own optimiser inside replay_loss "
@@ -128,11 +87,14 @@ class BilevelCKA(_Record, _Search, Upcycle):
         self._optimizer: torch.optim.Optimizer | None = None
 
     def setup(self, model: nn.Module) -> None:
-        super().setup(model)
-        n = len(decoder_layers(model))
+        self.model = model
         a = self.args
+        upcycle_model(model, init=slice_experts, router_std=a.router_std, **moe_settings(a))
+        train_newest_group(model, a.train_shared)
+        n = len(decoder_layers(model))
         self._candidates = _layers(a.candidate_layers, list(range(n)), n, "candidate_layers")
         self._cka_layers = _layers(a.cka_layers, list(range(n - math.ceil(n / 3), n)), n, "cka_layers")
+        self._features = LayerFeatures(model, self._cka_layers, a.cka_max_tokens)
         self._active = {i: list(range(a.experts_per_task)) for i in self._candidates}
 
     # ---- task start ------------------------------------------------------------
@@ -149,20 +111,17 @@ class BilevelCKA(_Record, _Search, Upcycle):
 
     def before_task(self, stage: Stage) -> None:
         self._record = None
-        if stage.index == 0:
-            super().before_task(stage)  # task 0: plain upcycling
-            return
         a = self.args
+        if stage.index == 0:  # task 0: plain upcycling
+            grow_groups(self.model, 1, slice_experts, a.router_std)
+            train_newest_group(self.model, a.train_shared)
+            return
         n_steps = self.stage_steps(stage)
         every, updates, decay = mask_schedule(n_steps, a)
         if a.mask == "on" and updates == 0:
             raise no_update_error(stage, n_steps, a)
         blocks = decoder_layers(self.model)
-        self.model.requires_grad_(a.train_shared)
-        for layer in moe_layers(self.model):
-            layer.requires_grad_(False)
-            if layer.routed_scale is not None:
-                layer.routed_scale.requires_grad_(True)
+        train_newest_group(self.model, a.train_shared, newest=False)  # only the clones (and s) train
         seed = self.ctx.config.seed if self.ctx is not None else 0
         generator = torch.Generator().manual_seed(
             random.Random(f"{seed}/bilevel-cka/{stage.index}").getrandbits(63))
@@ -184,7 +143,7 @@ class BilevelCKA(_Record, _Search, Upcycle):
                 init[..., 1] = math.log(a.init_expand_prob / (1 - a.init_expand_prob))
             init_gap = float((init[..., 1] - init[..., 0]).abs().max())
             mask_lr = reachable_mask_lr(updates, init_gap, a.mask_lr)
-            logits = nn.Parameter(init.to(self._device()))
+            logits = nn.Parameter(init.to(device_of(self.model)))
             optimizer = torch.optim.Adam([logits], lr=mask_lr)
         self._task = _Task(nets, snapshot, generator, n_steps, every, decay, logits, optimizer, a.tau0,
                            mask_lr, init_gap)
@@ -194,33 +153,38 @@ class BilevelCKA(_Record, _Search, Upcycle):
         return self._optimizer
 
     # ---- losses ----------------------------------------------------------------------
+    def _masks(self, step: int) -> torch.Tensor:
+        """This step's pi, set on the supernets."""
+        pi = self._task.step_masks(step, self.args.experts_per_task, device_of(self.model))
+        self._task.set_masks(pi)
+        return pi
+
     def loss(self, batch, step):
         task = self._task
         if task is None:
-            return super().loss(batch, step)  # task 0: Standard upcycling's CE + balancing
-        pi = self._step_masks(step)
-        self._set_masks(pi)
-        lm = lm_loss(self.model, batch)
-        lb = load_balancing_loss(self.model)
+            return lm_and_balancing(self.model, batch)  # task 0: Standard upcycling's CE + balancing
+        pi = self._masks(step)
+        with balancing_losses() as balance_terms:
+            lm = lm_loss(self.model, batch)
+        lb = balance_terms.total(device_of(self.model))
         task.task_batch = batch
         task.task_batches.append(batch)
         return lm + lb, {"lm": lm.item(), "lb": lb.item(), "expand": float(pi.mean())}
 
     def replay_loss(self, batch, step):
         a, task = self.args, self._task
-        if task is None:  # task 0 replays only with replay.lima > 0
+        if task is None:  # task 0 replays only with replay.lima > 0; balancing belongs to the task loss
             lm = lm_loss(self.model, batch)
-            load_balancing_loss(self.model)  # clear: balancing belongs to the task loss
             return a.lambda_replay * lm, {"lm": lm.item()}
         parts: dict[str, float] = {}
         if a.mask == "on" and (step + 1) % task.every == 0 and task.task_batch is not None:
-            parts.update(self._outer_step(batch))
-        reference = self._reference_features(batch)
-        self._set_masks(self._step_masks(step))
-        with self._capture() as feats:
+            parts.update(outer_step(self.model, task, batch, a))
+        features = self._features
+        reference = features.reference(task, batch, a.experts_per_task, device_of(self.model))
+        self._masks(step)
+        with features.capture() as feats:
             lm = lm_loss(self.model, batch)
-        load_balancing_loss(self.model)
-        current = {l: self._tokens(feats[l], batch) for l in self._cka_layers}
+        current = {l: features.tokens(feats[l], batch) for l in self._cka_layers}
         if a.lambda_cka == 0:  # measured for the record only
             current = {l: f.detach() for l, f in current.items()}
         ckas = torch.stack([linear_cka(current[l], reference[l]) for l in self._cka_layers])  # (n_deep,)
@@ -232,13 +196,68 @@ class BilevelCKA(_Record, _Search, Upcycle):
                       **{f"cka_{l}": c for l, c in zip(self._cka_layers, values)}})
         return a.lambda_replay * lm + a.lambda_cka * cka_loss, parts
 
+    # ---- task end -----------------------------------------------------------------------
+    def after_task(self, stage: Stage) -> None:
+        task = self._task
+        if task is None:
+            return
+        if task.logits is None:
+            expand = torch.ones(len(self._candidates), self.args.experts_per_task, dtype=torch.bool)
+        else:
+            expand = (task.logits[..., 1] - task.logits[..., 0]).detach().cpu().sigmoid() > 0.5
+        self._finalise(expand)
+
+    def _finalise(self, expand: torch.Tensor) -> None:
+        """Expand where `expand` (L_c, K) is true, Recycle elsewhere; keep the stage's record."""
+        self._record = finalise(self.model, self._task, expand, self._active, self._features, self.args,
+                                self._optimizer)
+        self._task = None
+
     # ---- records and resume ------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "active": {i: list(v) for i, v in self._active.items()}}
+        return {"layout": group_sizes(self.model), "active": {i: list(v) for i, v in self._active.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+        rebuild(self.model, state["layout"], **moe_settings(self.args))
+        train_newest_group(self.model, self.args.train_shared)
         self._active = {int(i): list(v) for i, v in state["active"].items()}
+
+    def param_report(self) -> dict[str, Any]:
+        report = count(self.model)
+        report["expansion_rate"] = None  # task 0: nothing offered
+        report.update(self._record or {})
+        return report
+
+    @classmethod
+    def param_schedule(cls, model: nn.Module, n_tasks: int, args: BilevelCKAArgs, *,
+                       decisions: list | None = None,
+                       experts_per_layer: float | None = None) -> list[dict[str, Any]]:
+        """Without training the decisions are unknown: by default every stage t >= 1 is
+        reported as if every decision were Expand, the upper bound (as many experts
+        as Standard upcycling; exact with mask=off). `decisions`: a map
+        [task][candidate layer][slot] of 0/1 for tasks 1..T-1 (a run record's, or a
+        paper's), counted as given; `experts_per_layer`: the mean experts per MoE
+        layer after the last task, made into such a map by `spread_decisions`.
+        "trainable" is the supernet's: the clones of the active experts and their
+        router rows."""
+        if decisions is not None and experts_per_layer is not None:
+            raise UserError("give a decision map or an expert count per layer, not both")
+        # mask=off: no mask logits (on the meta device they hold no values); every slot
+        # expands unless `decisions` say otherwise
+        method = cls(dataclasses.replace(args, mask="off"), context=None)
+        method.setup(model)
+        decisions, bound = decisions_for_schedule(decisions, experts_per_layer, n_tasks, len(moe_layers(model)),
+                                                  len(method._candidates), args.experts_per_task)
+        rows = []
+        for t in range(n_tasks):
+            stage = Stage(t, [], f"task {t}")
+            method.before_task(stage)
+            if t and decisions is not None:
+                method._finalise(torch.tensor(decisions[t - 1], dtype=torch.bool))
+            else:
+                method.after_task(stage)
+            rows.append({"stage": t, **method.param_report(), "bound": bound})
+        return rows
 
 
 def _layers(chosen: list[int] | None, default: list[int], n: int, name: str) -> list[int]:

@@ -4,11 +4,11 @@ of each candidate layer is decided,
     sigmoid(alpha_e - alpha_r) > 0.5  ->  Expand (the clone joins as a new expert,
                                           with its trained row), else Recycle (dropped),
 
-the stage's record is written (run.json "params": decisions, expand
+`finalise` writes the stage's record (run.json "params": decisions, expand
 probabilities, CKA, the mask schedule, the deploy check; schema in
 docs/methods/bilevel-cka.md, "Records"), and `cl-bench params` counts a run's
 parameters from a decision map, an expert count per layer or the upper bound
-(every decision Expand), a mixin of BilevelCKA.
+(every decision Expand: `decisions_for_schedule`).
 
 Source: CKA-guided bilevel MoE upcycling (ICML 2026), as METHODS.md ("bilevel-cka").
 
@@ -20,7 +20,6 @@ Differs from the paper/code (docs/methods/bilevel-cka.md, "Differences"):
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,142 +27,97 @@ from torch import nn
 
 from cl_bench.analysis.cka import linear_cka
 from cl_bench.errors import UserError
-from cl_bench.method import Stage
+from cl_bench.models.modes import device_of
+from cl_bench.models.moe import decoder_layers
+
+from .search import LayerFeatures, _Task, mean_loss
 from .supernet import pair_shares
-from cl_bench.models.moe import decoder_layers, load_balancing_loss, moe_layers
-from cl_bench.models.params import count
 
 if TYPE_CHECKING:
-    from . import BilevelCKAArgs
+    from .args import BilevelCKAArgs
 
 
-class _Record:
-    """BilevelCKA's end of a task: decisions, finalisation, records and parameter counts."""
+def finalise(model: nn.Module, task: _Task, expand: torch.Tensor, active: dict[int, list[int]],
+             features: LayerFeatures, args: BilevelCKAArgs,
+             optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """Expand the clones where `expand` (L_c, K) is true, drop the others (each
+    candidate layer gets its MoE layer back), update `active` (candidate layer ->
+    expert index per slot) and return this stage's record (module docstring)."""
+    device = device_of(model)
+    reference = features.reference(task, task.replay_batch, args.experts_per_task, device) \
+        if task.replay_batch is not None else None
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    check = list(task.task_batches)  # the deploy check: supernet at pi = decisions vs finalised
+    if check:
+        task.set_masks(expand.to(device, torch.float32))
+        supernet_loss = mean_loss(model, check)
+    blocks = decoder_layers(model)
+    added = 0
+    for c, (i, net) in enumerate(task.nets.items()):
+        layer, clones = net.moe, net.clones
+        chosen = expand[c].nonzero().flatten().tolist()  # slots that expand
+        if chosen:
+            first = layer.n_experts
+            index = torch.tensor(chosen, device=clones.gate.device)
+            taken = tuple(w[index].detach().clone() for w in (clones.gate, clones.up, clones.down))
+            layer.add_group(lambda dense, k, taken=taken: taken, router_std=0.0, slots=chosen)
+            with torch.no_grad():
+                layer.groups[-1].router_weight.copy_(clones.router_weight[index])
+                layer.groups[-1].router_bias.copy_(clones.router_bias[index])
+            for j, slot in enumerate(chosen):
+                active[i][slot] = first + j
+            added += len(chosen)
+        blocks[i].mlp = layer
+    if optimizer is not None:
+        _drop_removed(optimizer, model)  # its checkpoint names every parameter it holds
+    deploy = None
+    if check:
+        deployed_loss = mean_loss(model, check)
+        candidates = list(task.nets)
+        deploy = {"batches": len(check), "supernet_loss": _round(supernet_loss),
+                  "deployed_loss": _round(deployed_loss),
+                  "loss_gap": round(abs(deployed_loss - supernet_loss), 9),
+                  "pair_share": [_round(x) for x in pair_shares(model, candidates, check)]}
+    cka_final = None
+    if reference is not None:
+        final = features.of(task.replay_batch)
+        cka_final = [_round(linear_cka(final[l], reference[l])) for l in features.layers]
+    window = task.every
+    probs = None
+    if task.logits is not None:
+        probs = (task.logits[..., 1] - task.logits[..., 0]).detach().cpu().sigmoid()
+        probs = [[_round(p) for p in row] for row in probs.tolist()]
+    return {
+        "trainable": trained,
+        "expansion_rate": float(expand.float().mean()),
+        "experts_added": added,
+        "decision_layers": list(task.nets),
+        "decisions": expand.int().tolist(),
+        "expand_prob": probs,
+        "cka_layers": list(features.layers),
+        "cka_before": _mean_rows(task.cka[:window]),
+        "cka_after": _mean_rows(task.cka[-window:]),
+        "cka_final": cka_final,
+        "mask_schedule": {"steps": task.n_steps, "mask_every": task.every, "updates": task.updates,
+                          "tau0": args.tau0, "tau_decay": task.decay, "tau_end": task.tau,
+                          "mask_lr": args.mask_lr, "mask_lr_eff": task.mask_lr,
+                          "init_gap": None if task.init_gap is None else _round(task.init_gap),
+                          "reach": None if task.mask_lr is None else _round(2 * task.updates * task.mask_lr)},
+        "deploy_check": deploy,
+    }
 
-    # ---- task end --------------------------------------------------------------------
-    def after_task(self, stage: Stage) -> None:
-        task = self._task
-        if task is None:
-            return
-        if task.logits is None:
-            expand = torch.ones(len(self._candidates), self.args.experts_per_task, dtype=torch.bool)
-        else:
-            expand = (task.logits[..., 1] - task.logits[..., 0]).detach().cpu().sigmoid() > 0.5
-        self._finalise(expand)
 
-    def _finalise(self, expand: torch.Tensor) -> None:
-        """Expand the clones where `expand` (L_c, K) is true, drop the others, and
-        write this stage's record."""
-        task, a = self._task, self.args
-        reference = self._reference_features(task.replay_batch) if task.replay_batch is not None else None
-        trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        check = list(task.task_batches)  # the deploy check: supernet at pi = decisions vs finalised
-        if check:
-            self._set_masks(expand.to(self._device(), torch.float32))
-            supernet_loss = self._mean_loss(check)
-        blocks = decoder_layers(self.model)
-        added = 0
-        for c, i in enumerate(self._candidates):
-            net = task.nets[i]
-            layer, clones = net.moe, net.clones
-            chosen = expand[c].nonzero().flatten().tolist()  # slots that expand
-            if chosen:
-                first = layer.n_experts
-                index = torch.tensor(chosen, device=clones.gate.device)
-                taken = tuple(w[index].detach().clone() for w in (clones.gate, clones.up, clones.down))
-                layer.add_group(lambda dense, k, taken=taken: taken, router_std=0.0, slots=chosen)
-                with torch.no_grad():
-                    layer.groups[-1].router_weight.copy_(clones.router_weight[index])
-                    layer.groups[-1].router_bias.copy_(clones.router_bias[index])
-                for j, slot in enumerate(chosen):
-                    self._active[i][slot] = first + j
-                added += len(chosen)
-            blocks[i].mlp = layer
-        if self._optimizer is not None:
-            _drop_removed(self._optimizer, self.model)  # its checkpoint names every parameter it holds
-        deploy = None
-        if check:
-            deployed_loss = self._mean_loss(check)
-            deploy = {"batches": len(check), "supernet_loss": _round(supernet_loss),
-                      "deployed_loss": _round(deployed_loss),
-                      "loss_gap": round(abs(deployed_loss - supernet_loss), 9),
-                      "pair_share": [_round(x) for x in pair_shares(self.model, self._candidates, check)]}
-        cka_final = None
-        if reference is not None:
-            with torch.no_grad(), self._capture() as feats:
-                self.model(input_ids=task.replay_batch["input_ids"],
-                           attention_mask=task.replay_batch["attention_mask"], use_cache=False)
-            load_balancing_loss(self.model)
-            cka_final = [_round(linear_cka(self._tokens(feats[l], task.replay_batch), reference[l]))
-                         for l in self._cka_layers]
-        window = task.every
-        probs = None
-        if task.logits is not None:
-            probs = (task.logits[..., 1] - task.logits[..., 0]).detach().cpu().sigmoid()
-            probs = [[_round(p) for p in row] for row in probs.tolist()]
-        self._record = {
-            "trainable": trained,
-            "expansion_rate": float(expand.float().mean()),
-            "experts_added": added,
-            "decision_layers": list(self._candidates),
-            "decisions": expand.int().tolist(),
-            "expand_prob": probs,
-            "cka_layers": list(self._cka_layers),
-            "cka_before": _mean_rows(task.cka[:window]),
-            "cka_after": _mean_rows(task.cka[-window:]),
-            "cka_final": cka_final,
-            "mask_schedule": {"steps": task.n_steps, "mask_every": task.every, "updates": task.updates,
-                              "tau0": a.tau0, "tau_decay": task.decay, "tau_end": task.tau,
-                              "mask_lr": a.mask_lr, "mask_lr_eff": task.mask_lr,
-                              "init_gap": None if task.init_gap is None else _round(task.init_gap),
-                              "reach": None if task.mask_lr is None else _round(2 * task.updates * task.mask_lr)},
-            "deploy_check": deploy,
-        }
-        self._task = None
-
-    def param_report(self) -> dict[str, Any]:
-        report = count(self.model)
-        report["expansion_rate"] = None  # task 0: nothing offered
-        report.update(self._record or {})
-        return report
-
-    @classmethod
-    def param_schedule(cls, model: nn.Module, n_tasks: int, args: BilevelCKAArgs, *,
-                       decisions: list | None = None,
-                       experts_per_layer: float | None = None) -> list[dict[str, Any]]:
-        """Without training the decisions are unknown: by default every stage t >= 1 is
-        reported as if every decision were Expand, the upper bound (as many experts
-        as Standard upcycling; exact with mask=off). `decisions`: a map
-        [task][candidate layer][slot] of 0/1 for tasks 1..T-1 (a run record's, or a
-        paper's), counted as given; `experts_per_layer`: the mean experts per MoE
-        layer after the last task, made into such a map by `spread_decisions`.
-        "trainable" is the supernet's: the clones of the active experts and their
-        router rows."""
-        if decisions is not None and experts_per_layer is not None:
-            raise UserError("give a decision map or an expert count per layer, not both")
-        # mask=off: no mask logits (on the meta device they hold no values); every slot
-        # expands unless `decisions` say otherwise
-        method = cls(dataclasses.replace(args, mask="off"), context=None)
-        bound = "upper: every decision Expand"
-        method.setup(model)
-        n_cand, K = len(method._candidates), args.experts_per_task
-        if experts_per_layer is not None:
-            decisions = spread_decisions(experts_per_layer, n_tasks, len(moe_layers(model)), n_cand, K)
-            bound = (f"{experts_per_layer:g} experts per MoE layer after the last task "
-                     f"(expansions spread evenly over tasks and layers)")
-        elif decisions is not None:
-            decisions = _check_decisions(decisions, n_tasks, n_cand, K)
-            bound = "the given decisions"
-        rows = []
-        for t in range(n_tasks):
-            stage = Stage(t, [], f"task {t}")
-            method.before_task(stage)
-            if t and decisions is not None:
-                method._finalise(torch.tensor(decisions[t - 1], dtype=torch.bool))
-            else:
-                method.after_task(stage)
-            rows.append({"stage": t, **method.param_report(), "bound": bound})
-        return rows
+def decisions_for_schedule(decisions: list | None, experts_per_layer: float | None, n_tasks: int,
+                           n_moe: int, n_cand: int, K: int) -> tuple[list | None, str]:
+    """For `cl-bench params` (BilevelCKA.param_schedule): the decision map to count
+    (None: every decision Expand, the upper bound) and the row's "bound" label."""
+    if experts_per_layer is not None:
+        return (spread_decisions(experts_per_layer, n_tasks, n_moe, n_cand, K),
+                f"{experts_per_layer:g} experts per MoE layer after the last task "
+                f"(expansions spread evenly over tasks and layers)")
+    if decisions is not None:
+        return _check_decisions(decisions, n_tasks, n_cand, K), "the given decisions"
+    return None, "upper: every decision Expand"
 
 
 def spread_decisions(experts_per_layer: float, n_tasks: int, n_moe: int, n_cand: int, K: int) -> list:
@@ -200,7 +154,6 @@ def _check_decisions(decisions: list, n_tasks: int, n_cand: int, K: int) -> list
         if not ok:
             raise UserError(f"decision map, task {t}: expected {n_cand} candidate layers x {K} slots of 0/1")
     return decisions
-
 
 
 def _drop_removed(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:

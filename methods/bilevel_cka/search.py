@@ -1,6 +1,6 @@
 """The bilevel-cka search: the mask schedule fitted to a task, what a task holds
-while it trains, the outer step on the mask logits alpha and the masks and
-features the inner and outer steps share (a mixin of BilevelCKA).
+while it trains (the supernets, the masks), the outer step on the mask logits
+alpha, and the deep-layer features the CKA term compares.
 
     L_out = L_replay(pi) - gamma * G + beta * B(r),   G = sg(L_recycle - L_expand) * r,  r = mean(pi)
     N_eff = min(N, max(1, steps // min_mask_updates)),  U = steps // N_eff
@@ -31,11 +31,13 @@ from torch import nn
 from cl_bench.data import IGNORE
 from cl_bench.errors import UserError
 from cl_bench.method import Stage, lm_loss
+from cl_bench.models.modes import eval_mode
+from cl_bench.models.moe import decoder_layers
+
 from .supernet import _Supernet, balance, straight_through_gumbel
-from cl_bench.models.moe import decoder_layers, load_balancing_loss
 
 if TYPE_CHECKING:
-    from . import BilevelCKAArgs
+    from .args import BilevelCKAArgs
 
 CHECK_BATCHES = 4  # task micro-batches (the last ones) the deploy check at finalisation runs on
 
@@ -76,7 +78,7 @@ def no_update_error(stage: Stage, n_steps: int, args: BilevelCKAArgs) -> UserErr
 class _Task:
     """What one task t >= 1 holds while it trains."""
 
-    nets: dict[int, _Supernet]  # candidate decoder layer -> its supernet
+    nets: dict[int, _Supernet]  # candidate decoder layer -> its supernet, in candidate order
     snapshot: dict[str, torch.Tensor]  # pre-task values of what trains besides the clones
     generator: torch.Generator  # Gumbel noise (and a random init), seeded per task
     n_steps: int | None
@@ -95,55 +97,57 @@ class _Task:
     replay_batch: dict | None = None  # the last replay micro-batch (final CKA)
     cka: list[list[float]] = field(default_factory=list)  # per replay step, per deep layer
 
+    def set_masks(self, pi: torch.Tensor) -> None:
+        """pi (L_c, K): row c gates the clones of the c-th candidate layer."""
+        for c, net in enumerate(self.nets.values()):
+            net.pi = pi[c]
 
-class _Search:
-    """BilevelCKA's outer step and the masks and features of a task t >= 1 (self._task)."""
-
-    def _outer_step(self, replay: dict) -> dict[str, float]:
-        """One Adam step on the mask logits (module docstring)."""
-        a, task = self.args, self._task
-        pi = straight_through_gumbel(task.logits, task.tau, task.generator)[..., 1]  # (L_c, K)
-        self._set_masks(pi)
-        l_replay = lm_loss(self.model, replay)
-        with torch.no_grad():
-            self._set_masks(torch.ones_like(pi))
-            l_expand = lm_loss(self.model, task.task_batch)
-            self._set_masks(torch.zeros_like(pi))
-            l_recycle = lm_loss(self.model, task.task_batch)
-        load_balancing_loss(self.model)
-        rate = pi.mean()
-        gain = (l_recycle - l_expand).detach() * rate
-        bal = balance(rate, a.r_target)
-        total = l_replay - a.gamma * gain + a.beta * bal
-        (grad,) = torch.autograd.grad(total, [task.logits])  # the model's gradients stay untouched
-        task.logits.grad = grad
-        task.optimizer.step()
-        task.logits.grad = None
-        task.updates += 1
-        task.tau = max(a.tau_final, a.tau0 * task.decay ** task.updates)
-        return {"mask_loss": total.item(), "mask_replay": l_replay.item(), "mask_gain": gain.item(),
-                "mask_balance": bal.item(), "mask_rate": rate.item(), "tau": task.tau}
-
-    # ---- masks and features -------------------------------------------------------
-    def _step_masks(self, step: int) -> torch.Tensor:
+    def step_masks(self, step: int, K: int, device: torch.device) -> torch.Tensor:
         """This step's pi (L_c, K): one sample per optimiser step, from alpha without
-        its gradient (the inner step trains the model, not alpha)."""
-        task = self._task
-        if task.pi_step != step:
-            task.pi_step = step
-            if task.logits is None:
-                task.pi = torch.ones(len(self._candidates), self.args.experts_per_task, device=self._device())
+        its gradient (the inner step trains the model, not alpha); all ones with mask=off."""
+        if self.pi_step != step:
+            self.pi_step = step
+            if self.logits is None:
+                self.pi = torch.ones(len(self.nets), K, device=device)
             else:
-                task.pi = straight_through_gumbel(task.logits.detach(), task.tau, task.generator)[..., 1]
-        return task.pi
+                self.pi = straight_through_gumbel(self.logits.detach(), self.tau, self.generator)[..., 1]
+        return self.pi
 
-    def _set_masks(self, pi: torch.Tensor) -> None:
-        for c, i in enumerate(self._candidates):
-            self._task.nets[i].pi = pi[c]
+
+def outer_step(model: nn.Module, task: _Task, replay: dict, args: BilevelCKAArgs) -> dict[str, float]:
+    """One Adam step on the mask logits (module docstring); the model's gradients stay untouched."""
+    pi = straight_through_gumbel(task.logits, task.tau, task.generator)[..., 1]  # (L_c, K)
+    task.set_masks(pi)
+    l_replay = lm_loss(model, replay)
+    with torch.no_grad():
+        task.set_masks(torch.ones_like(pi))
+        l_expand = lm_loss(model, task.task_batch)
+        task.set_masks(torch.zeros_like(pi))
+        l_recycle = lm_loss(model, task.task_batch)
+    rate = pi.mean()
+    gain = (l_recycle - l_expand).detach() * rate
+    bal = balance(rate, args.r_target)
+    total = l_replay - args.gamma * gain + args.beta * bal
+    (grad,) = torch.autograd.grad(total, [task.logits])
+    task.logits.grad = grad
+    task.optimizer.step()
+    task.logits.grad = None
+    task.updates += 1
+    task.tau = max(args.tau_final, args.tau0 * task.decay ** task.updates)
+    return {"mask_loss": total.item(), "mask_replay": l_replay.item(), "mask_gain": gain.item(),
+            "mask_balance": bal.item(), "mask_rate": rate.item(), "tau": task.tau}
+
+
+class LayerFeatures:
+    """The outputs of the CKA layers (`layers`, decoder indices) of `model`: captured
+    during forwards, reduced to at most `max_tokens` non-pad tokens."""
+
+    def __init__(self, model: nn.Module, layers: list[int], max_tokens: int):
+        self.model, self.layers, self.max_tokens = model, layers, max_tokens
 
     @contextlib.contextmanager
-    def _capture(self):
-        """Collects the output of each CKA layer during the forwards inside."""
+    def capture(self):
+        """Collects the output (B, T, d) of each CKA layer during the forwards inside."""
         blocks = decoder_layers(self.model)
         feats: dict[int, torch.Tensor] = {}
 
@@ -152,47 +156,46 @@ class _Search:
                 feats[i] = output[0] if isinstance(output, tuple) else output  # (B, T, d)
             return store
 
-        handles = [blocks[i].register_forward_hook(hook(i)) for i in self._cka_layers]
+        handles = [blocks[i].register_forward_hook(hook(i)) for i in self.layers]
         try:
             yield feats
         finally:
             for handle in handles:
                 handle.remove()
 
-    def _tokens(self, h: torch.Tensor, batch: dict) -> torch.Tensor:
-        """(B, T, d) -> (n, d): the non-pad tokens, at most cka_max_tokens evenly spaced."""
+    def tokens(self, h: torch.Tensor, batch: dict) -> torch.Tensor:
+        """(B, T, d) -> (n, d): the non-pad tokens, at most max_tokens evenly spaced."""
         flat = h[batch["attention_mask"].bool()]
-        n, m = flat.shape[0], self.args.cka_max_tokens
+        n, m = flat.shape[0], self.max_tokens
         if n > m:
             flat = flat[torch.linspace(0, n - 1, m, device=flat.device).round().long()]
         return flat
 
-    def _reference_features(self, batch: dict) -> dict[int, torch.Tensor]:
-        """CKA-layer outputs of the model as it was before this task: every mask at 0
+    def of(self, batch: dict) -> dict[int, torch.Tensor]:
+        """The CKA-layer tokens of `batch` through the model as it is, no gradient."""
+        with torch.no_grad(), self.capture() as feats:
+            self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        return {l: self.tokens(feats[l], batch) for l in self.layers}
+
+    def reference(self, task: _Task, batch: dict, K: int, device: torch.device) -> dict[int, torch.Tensor]:
+        """CKA-layer tokens of the model as it was before this task: every mask at 0
         (old experts, old rows) and the snapshot of whatever else trains."""
-        task = self._task
-        self._set_masks(torch.zeros(len(self._candidates), self.args.experts_per_task, device=self._device()))
+        task.set_masks(torch.zeros(len(task.nets), K, device=device))
         kwargs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-        with torch.no_grad(), self._capture() as feats:
+        with torch.no_grad(), self.capture() as feats:
             if task.snapshot:
                 torch.func.functional_call(self.model, task.snapshot, (), kwargs)
             else:
                 self.model(**kwargs)
-        load_balancing_loss(self.model)
-        return {l: self._tokens(feats[l], batch) for l in self._cka_layers}
+        return {l: self.tokens(feats[l], batch) for l in self.layers}
 
-    def _mean_loss(self, batches: list[dict]) -> float:
-        """Answer-token CE over `batches` (token-weighted), in eval mode, no gradient."""
-        was = self.model.training
-        self.model.eval()
-        total = tokens = 0.0
-        with torch.no_grad():
-            for b in batches:
-                n = int((b["labels"] != IGNORE).sum())
-                total += float(lm_loss(self.model, b)) * n
-                tokens += n
-        self.model.train(was)
-        return total / max(tokens, 1)
 
-    def _device(self) -> torch.device:
-        return next(self.model.parameters()).device
+def mean_loss(model: nn.Module, batches: list[dict]) -> float:
+    """Answer-token CE over `batches` (token-weighted), in eval mode, no gradient."""
+    total = tokens = 0.0
+    with eval_mode(model), torch.no_grad():
+        for b in batches:
+            n = int((b["labels"] != IGNORE).sum())
+            total += float(lm_loss(model, b)) * n
+            tokens += n
+    return total / max(tokens, 1)

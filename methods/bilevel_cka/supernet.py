@@ -6,9 +6,10 @@ behind a hard mask pi_c in {0, 1}:
     pi = onehot(argmax y) + y - sg(y),   y = softmax((alpha + g) / tau),  g ~ Gumbel(0, 1)
     B(r) = 2 (r_target - r) below r_target, sigmoid(r - r_target) at or above it
 
-then top-k, renormalised, and Switch balancing over the E + sum pi live experts,
-as UpcycledMoE. At pi = 0 it is the layer before the task; at pi = the decisions,
-the layer Expand deploys, operation for operation.
+then top-k, renormalised, and Switch balancing over the E + sum pi live experts:
+UpcycledMoE's own route and forward with the clones as its `extra` group and pi
+as their gates (cl_bench/models/moe.py). At pi = 0 it is the layer before the
+task; at pi = the decisions, the layer Expand deploys, operation for operation.
 
 Source: CKA-guided bilevel MoE upcycling (ICML 2026); straight-through
 Gumbel-Softmax: Jang et al., 2017.
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cl_bench.models.moe import ExpertGroup, UpcycledMoE, decoder_layers, load_balancing_loss
+from cl_bench.models.moe import ExpertGroup, UpcycledMoE, decoder_layers
 
 # Letters: L_c candidate layers, K slots (experts per task), B, T, N, d, E as in moe.py.
 
@@ -50,9 +51,9 @@ def balance(rate: torch.Tensor, r_target: float) -> torch.Tensor:
 class _Supernet(nn.Module):
     """A candidate layer's MLP during a task t >= 1: the MoE layer `moe` (its experts
     and rows unchanged and frozen) and `clones`, trainable copies of its active
-    experts (clone c of expert active[c], slot c), each with a router row of its
-    own drawn N(0, router_std^2) from `generator` and bias 0. `pi` [K], set before
-    each forward, says which clones are routable (module docstring): at
+    experts (clone c of expert active[c], standing in for its slot c), each with a
+    router row of its own drawn N(0, router_std^2) from `generator` and bias 0.
+    `pi` [K], set before each forward, gates the clones (module docstring): at
     pi = 1 a clone is routed exactly as the expert Expand makes of it."""
 
     def __init__(self, moe: UpcycledMoE, active: list[int], router_std: float, generator: torch.Generator):
@@ -63,68 +64,13 @@ class _Supernet(nn.Module):
         experts = moe.experts()
         stacked = [torch.stack([experts[e][i] for e in active]).detach().clone() for i in range(3)]
         rows = torch.randn(len(active), moe.d, generator=generator) * router_std  # (K, d), drawn on CPU
-        self.clones = ExpertGroup(*stacked, rows.to(like), like.new_zeros(len(active)))  # slots 0..K-1
+        self.clones = ExpertGroup(*stacked, rows.to(like), like.new_zeros(len(active)),
+                                  slots=moe.slots()[index])  # clone c swaps out what active[c] does
         self.register_buffer("active", index, persistent=False)  # (K,)
         self.pi = like.new_ones(len(active))  # (K,)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """As UpcycledMoE.route over the E experts and the K clones, clone c's
-        softmax numerator times pi_c. x: (N, d) -> probs (N, E+K) fp32, weights
-        (N, k) fp32 summing to 1, indices (N, k) into [experts..., clones...]."""
-        moe, clones = self.moe, self.clones
-        weight = torch.cat([moe.router_weight(), clones.router_weight])  # (E+K, d)
-        bias = torch.cat([moe.router_bias(), clones.router_bias])  # (E+K,)
-        logits = F.linear(x.float(), weight.float(), bias.float())  # (N, E+K)
-        present = torch.cat([logits.new_ones(moe.n_experts), self.pi.float()])  # (E+K,)
-        # the max over every entry keeps exp <= 1 (no inf * 0 at pi = 0); the ratio is the softmax's
-        num = (logits - logits.detach().amax(dim=-1, keepdim=True)).exp() * present  # (N, E+K)
-        probs = num / num.sum(dim=-1, keepdim=True)
-        top, indices = probs.topk(moe.k, dim=-1)  # a clone at pi = 0 has probability 0: never chosen
-        return probs, top / top.sum(dim=-1, keepdim=True), indices
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        moe, clones = self.moe, self.clones
-        shape = x.shape  # (B, T, d)
-        flat = x.reshape(-1, shape[-1])  # (N, d)
-        probs, weights, indices = self.route(flat)
-        if moe.training and moe.lb_coef > 0:
-            # Switch balancing over the live experts (E + sum pi), as the deployed layer's balance_loss
-            live = moe.n_experts + float(self.pi.detach().sum())
-            f = torch.bincount(indices.reshape(-1), minlength=probs.shape[-1]).to(probs.dtype) / indices.numel()
-            moe.aux_loss = moe.lb_coef * live * torch.dot(f, probs.mean(dim=0))
-        else:
-            moe.aux_loss = None
-        experts = moe.experts() + list(zip(clones.gate.unbind(0), clones.up.unbind(0), clones.down.unbind(0)))
-        routed = _dispatch(flat, weights, indices, experts, moe.dense.act_fn)
-        if moe.shared == "add":
-            return moe.dense(x) + moe.routed_scale * routed.reshape(shape)
-        # clone c stands in for slot c, as active[c] does: swap it out of the dense path alike
-        as_experts = torch.where(indices < moe.n_experts, indices,
-                                 self.active[(indices - moe.n_experts).clamp(min=0)])  # (N, k)
-        return (moe.swapped_dense(flat, weights, as_experts) + routed).reshape(shape)
-
-
-def _dispatch(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: list,
-              act) -> torch.Tensor:
-    """UpcycledMoE.experts_forward over an explicit list of (gate, up, down): the
-    N*k assignments sorted by expert, each expert run once on its own tokens.
-    x: (N, d); weights, indices: (N, k) -> (N, d)."""
-    N, k = indices.shape
-    flat = indices.reshape(-1)  # (N*k,)
-    order = torch.argsort(flat, stable=True)
-    token = order // k
-    counts = torch.bincount(flat, minlength=len(experts)).tolist()
-    xs = x.index_select(0, token)  # (N*k, d), grouped by expert
-    outs, start = [], 0
-    for (gate, up, down), n in zip(experts, counts):
-        if n:
-            xe = xs[start:start + n]
-            outs.append((act(xe @ gate.T) * (xe @ up.T)) @ down.T)  # (n, d)
-            start += n
-    if not outs:
-        return torch.zeros_like(x)
-    ys = torch.cat(outs) * weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)  # (N*k, d)
-    return torch.zeros_like(x).index_add(0, token, ys)
+        return self.moe(x, self.clones, self.pi)
 
 
 def pair_shares(model: nn.Module, layers: list[int], batches: list[dict]) -> list[float]:
@@ -155,6 +101,4 @@ def pair_shares(model: nn.Module, layers: list[int], batches: list[dict]) -> lis
     finally:
         for handle in handles:
             handle.remove()
-        load_balancing_loss(model)
     return [p / max(tokens, 1) for p in pairs]
-

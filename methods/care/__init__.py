@@ -27,8 +27,6 @@ Differs from the paper/code (why, defaults, records: docs/methods/care.md):
 from __future__ import annotations
 
 import hashlib
-import logging
-import math
 from typing import Any
 
 import torch
@@ -38,19 +36,20 @@ from torch import nn
 from cl_bench.data import IGNORE, Encoder, collate
 from cl_bench.errors import UserError
 from cl_bench.method import Method, Stage
+from cl_bench.models.modes import device_of, eval_mode
 from cl_bench.models.moe import decoder_layers
 from cl_bench.models.params import count
-from cl_bench.models.prompt_pool import PromptPool, masked_mean, prompt_mask
+from cl_bench.models.prompt_pool import PromptPool, masked_mean, prompt_mask, prompt_tokens
 from cl_bench.registry import register_method
 
 from .args import ROUTER_INPUTS, UNIFORM_CE_TOL, CareArgs, lr_factor
 from .layer import Adapter, CareMLP, RMSNorm, Triplet, _Control, entropy, select_routers, top_k_softmax
 from .pseudo_labels import _key, kmeans, perceiver_loss
+from .record import _relative, _round, diagnostics, uniformity
 
 __all__ = ["CaRE", "CareArgs", "lr_factor", "UNIFORM_CE_TOL", "ROUTER_INPUTS", "Adapter", "CareMLP", "RMSNorm",
            "Triplet", "entropy", "select_routers", "top_k_softmax", "kmeans", "perceiver_loss"]
 
-log = logging.getLogger(__name__)
 
 # Letters: B batch, T tokens, d width, n triplets in a layer (tasks so far), G
 # pseudo-classes, L decoder layers.
@@ -136,9 +135,6 @@ class CaRE(Method):
     def _encoder(self) -> Encoder:
         return Encoder.from_config(self.ctx.tokenizer, self.ctx.config.train)
 
-    def _device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
     # ---- pseudo-labels ----------------------------------------------------------------
     def _cluster(self, stage: Stage) -> None:
         """k-means pseudo-labels of the stage's training prompts (docs/methods/care.md, Perceiver)."""
@@ -151,7 +147,7 @@ class CaRE(Method):
         feats = []
         for start in range(0, len(prompts), size):
             rows = [{"input_ids": p, "labels": [IGNORE] * len(p)} for p in prompts[start:start + size]]
-            b = {k: v.to(self._device()) for k, v in collate(rows, pad).items()}
+            b = {k: v.to(device_of(self.model)) for k, v in collate(rows, pad).items()}
             feats.append(self._base_features(b["input_ids"], b["attention_mask"]))
         x = F.normalize(torch.cat(feats).cpu(), dim=-1)  # (N, d)
         seed = int.from_bytes(hashlib.sha256(f"{self.ctx.config.seed}/care/{stage.index}".encode())
@@ -165,20 +161,18 @@ class CaRE(Method):
     def _base_features(self, ids: torch.Tensor, mask: torch.Tensor,
                        labels: torch.Tensor | None = None) -> torch.Tensor:
         """The frozen base model's final hidden states pooled over the prompt: (B, d) fp32."""
-        was_training = self.model.training
-        self.model.eval()
-        self.control.bypass = True
-        try:
-            hidden = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
-        finally:
-            self.control.bypass = False
-            self.model.train(was_training)
+        with eval_mode(self.model):
+            self.control.bypass = True
+            try:
+                hidden = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+            finally:
+                self.control.bypass = False
         return masked_mean(hidden, prompt_mask(mask, labels))
 
     def _batch_labels(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Pseudo-labels (B,) of a training batch, by each row's prompt token ids."""
         ids, labels, mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
-        prompt = (labels == IGNORE) & mask.bool()
+        prompt = prompt_tokens(mask, labels)
         keys = [_key(ids[b][prompt[b]].tolist()) for b in range(ids.shape[0])]
         missing = [b for b, k in enumerate(keys) if k not in self._labels]
         if missing:
@@ -245,66 +239,19 @@ class CaRE(Method):
         self._record["shared_drift"] = _round(_relative(now, self._shared_start))
         self._record["shared_drift_since_task0"] = (None if self._shared_task0 is None
                                                     else _round(_relative(now, self._shared_task0)))
-        self._record.update(self._uniformity(stage))
+        self._record.update(uniformity(self._perceiver_ce, self.args.pseudo_classes, stage))
         if self.ctx is not None and self.args.diag_examples > 0:
             self._record.update(self.diagnostics(self.ctx.all_tasks[:stage.index + 1]))
 
-    def _uniformity(self, stage: Stage) -> dict[str, Any]:
-        """perceiver_ce_end, perceiver_uniform and warnings of the stage (docs/methods/care.md, Records)."""
-        steps = sorted(self._perceiver_ce)
-        if not steps:
-            return {"perceiver_ce_end": None, "perceiver_uniform": None, "warnings": []}
-        tail = [ce for s in steps[-math.ceil(0.1 * len(steps)):] for ce in self._perceiver_ce[s]]
-        ce_end, uniform_ce = sum(tail) / len(tail), math.log(self.args.pseudo_classes)
-        uniform = abs(ce_end - uniform_ce) <= UNIFORM_CE_TOL * uniform_ce
-        warnings = []
-        if uniform:
-            warnings.append(f"stage {stage.index} ({stage.label}): the perceivers' cross-entropy at the "
-                            f"stage's end, {ce_end:.4f}, is within {UNIFORM_CE_TOL:.0%} of ln G = "
-                            f"{uniform_ce:.4f} (uniform): they did not learn the pseudo-classes, so "
-                            f"entropy routing cannot tell this task apart")
-            log.warning("care: %s", warnings[-1])
-        return {"perceiver_ce_end": _round(ce_end), "perceiver_uniform": uniform, "warnings": warnings}
-
-    @torch.no_grad()
     def diagnostics(self, tasks: list) -> dict[str, Any]:
         """Per-layer task-ID accuracy and the oracle gap on the first `diag_examples`
-        test examples of each of `tasks` (task j = the j-th triplet)."""
-        encoder, n_layers = self._encoder(), len(self.layers)
-        pad, size = self.ctx.tokenizer.pad_token_id, self.ctx.config.train.micro_batch_size
-        was_training = self.model.training
-        self.model.eval()
-        hits_all, seen = torch.zeros(n_layers), 0
-        by_task, ce_entropy, ce_oracle, counts = {}, {}, {}, {}
-        try:
-            for j, task in enumerate(tasks):
-                rows = [encoder.train_example(e.prompt, e.answer) for e in task.test[:self.args.diag_examples]]
-                hits, sums, tokens = torch.zeros(n_layers), [0.0, 0.0], 0
-                for start in range(0, len(rows), size):
-                    b = {k: v.to(self._device()) for k, v in collate(rows[start:start + size], pad).items()}
-                    n_tok = int((b["labels"][:, 1:] != IGNORE).sum())
-                    out, records = self._forward(b, None)
-                    hits += torch.stack([(r["entropy"].argmin(dim=1) == j).float().sum() for r in records]).cpu()
-                    sums[0] += out.loss.item() * n_tok
-                    sums[1] += self._forward(b, j)[0].loss.item() * n_tok
-                    tokens += n_tok
-                if not rows:
-                    continue
-                counts[task.name] = len(rows)
-                by_task[task.name] = [_round(h / len(rows)) for h in hits.tolist()]
-                ce_entropy[task.name] = _round(sums[0] / max(tokens, 1))
-                ce_oracle[task.name] = _round(sums[1] / max(tokens, 1))
-                hits_all += hits
-                seen += len(rows)
-        finally:
-            self.model.train(was_training)
-        if not seen:
-            return {}
-        gaps = [ce_entropy[k] - ce_oracle[k] for k in ce_entropy]
-        return {"diag_n": counts,
-                "task_id_acc": [_round(h / seen) for h in hits_all.tolist()],
-                "task_id_acc_by_task": by_task, "answer_ce": ce_entropy, "answer_ce_oracle": ce_oracle,
-                "oracle_gap": _round(sum(gaps) / len(gaps))}
+        test examples of each of `tasks` (task j = the j-th triplet; record.diagnostics)."""
+        encoder = self._encoder()
+        n = self.args.diag_examples
+        examples = [(task.name, [encoder.train_example(e.prompt, e.answer) for e in task.test[:n]]) for task in tasks]
+        with eval_mode(self.model):
+            return diagnostics(self._forward, examples, len(self.layers), self.ctx.tokenizer.pad_token_id,
+                               self.ctx.config.train.micro_batch_size, device_of(self.model))
 
     # ---- records and resume ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -322,11 +269,3 @@ class CaRE(Method):
         report["experts_per_layer"] = [len(layer.triplets) for layer in self.layers]
         report.update(self._record)
         return report
-
-
-def _relative(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x - ref).norm() / ref.norm().clamp(min=1e-12))
-
-
-def _round(x) -> float:
-    return round(float(x), 6)

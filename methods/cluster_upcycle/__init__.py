@@ -22,23 +22,24 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from cl_bench.distillation import distillation_kl
-from cl_bench.errors import UserError
-from cl_bench.method import Stage
+from cl_bench.method import Method, Stage
+from cl_bench.methods.cluster_upcycle.args import ClusterUpcycleArgs
 from cl_bench.methods.cluster_upcycle.clustering import add_centroid_groups, calibration_rows, forward_rows
 from cl_bench.methods.cluster_upcycle.experts import cluster_experts, drift_ladder, fit_group, slice_rank_cap
 from cl_bench.methods.cluster_upcycle.records import RoutingStats, rounded
 from cl_bench.methods.cluster_upcycle.teacher import (dense_routing, ema_step, sync_ema,
                                                       teacher_logits)
-from cl_bench.methods.upcycle import Upcycle, UpcycleArgs
-from cl_bench.models.moe import (UpcycledMoE, decoder_layers, load_balancing_loss, moe_layers,
-                                 slice_experts)
+from cl_bench.models.balancing import balancing_losses
+from cl_bench.models.expert_init import slice_experts
+from cl_bench.models.modes import device_of
+from cl_bench.models.moe import UpcycledMoE, group_sizes, moe_layers, rebuild
+from cl_bench.models.upcycling import grown_param_report, moe_everywhere, moe_settings, train_newest_group
 from cl_bench.registry import register_method
 
 __all__ = ["ClusterUpcycle", "ClusterUpcycleArgs", "cluster_experts", "dense_routing", "drift_ladder",
@@ -50,49 +51,11 @@ log = logging.getLogger(__name__)
 # h = H / K, E experts in a layer, V vocabulary.
 
 
-@dataclass
-class ClusterUpcycleArgs(UpcycleArgs):
-    # initialisation (docs/methods/cluster-upcycle.md, steps 1-4b)
-    tau: float = 0.99  # energy kept by each expert's whitened SVD (chosen: not public; sweep 0.95/0.999)
-    rank_cap: int | None = None  # None: floor(h d / (h + d)), a slice's size; 0: no cap
-    ridge: float = 1e-4  # lambda = ridge * mean diag(X X^T) before the Cholesky
-    min_cluster_tokens: int = 16  # smaller clusters keep the dense slice (chosen)
-    kmeans_iters: int = 30
-    kmeans_restarts: int = 3
-    calib_examples: int = 256  # training examples of the current task (the seed's 256)
-    calib_tokens: int = 8192  # prompt tokens per layer (chosen, CPU scale; seed: 256 x 512)
-    max_drift: float | None = 0.03  # drift guard: largest |relative loss drift| at init (seed: ~3%); None: off
-    # expert-ensemble self-distillation (docs/methods/cluster-upcycle.md, step 5)
-    eesd_weight: float = 1.0  # chosen; 0 turns EESD (and the EMA teacher) off
-    eesd_temperature: float = 1.0  # chosen
-    ema_decay: float = 0.999  # per optimiser step (chosen)
-    ema_reset: bool = False  # restart the EMA teacher at each task (ablation)
-
-    def __post_init__(self):
-        super().__post_init__()
-        if not 0 < self.tau <= 1:
-            raise UserError(f"method_args.tau={self.tau} must be in (0, 1]")
-        if self.rank_cap is not None and self.rank_cap < 0:
-            raise UserError(f"method_args.rank_cap={self.rank_cap} must be >= 0 (0: no cap), "
-                            f"or null for a slice's size")
-        for name in ("kmeans_iters", "kmeans_restarts", "calib_examples", "calib_tokens"):
-            if getattr(self, name) < 1:
-                raise UserError(f"method_args.{name}={getattr(self, name)} must be >= 1")
-        for name in ("ridge", "min_cluster_tokens", "eesd_weight"):
-            if getattr(self, name) < 0:
-                raise UserError(f"method_args.{name}={getattr(self, name)} must be >= 0")
-        if self.max_drift is not None and self.max_drift <= 0:
-            raise UserError(f"method_args.max_drift={self.max_drift} must be > 0 (or null: no guard)")
-        if self.eesd_temperature <= 0:
-            raise UserError(f"method_args.eesd_temperature={self.eesd_temperature} must be > 0")
-        if not 0 <= self.ema_decay < 1:
-            raise UserError(f"method_args.ema_decay={self.ema_decay} must be in [0, 1)")
-
-
 @register_method("cluster-upcycle")
-class ClusterUpcycle(Upcycle):
+class ClusterUpcycle(Method):
     description = ("Cluster-aware upcycling: per task, experts by whitened SVD on k-means clusters of the "
                    "task's prompts, centroid router rows, EMA dense-teacher self-distillation")
+    lr_family = "expert"
     Args = ClusterUpcycleArgs
     zero_unsupported = dict.fromkeys((2, 3), (
         "its EMA teacher averages the live weights after every step and runs the model on its own copies "
@@ -109,7 +72,7 @@ class ClusterUpcycle(Upcycle):
 
     def setup(self, model: nn.Module) -> None:
         self.model = model  # dense until task 0: experts need the task's prompts
-        self._set_trainable()
+        train_newest_group(model, self.args.train_shared)
 
     # ---- task start ----------------------------------------------------------------
     def before_task(self, stage: Stage) -> None:
@@ -118,7 +81,7 @@ class ClusterUpcycle(Upcycle):
                 self._add_placeholder_group()
             else:
                 self._add_cluster_group(stage)
-        self._set_trainable()
+        train_newest_group(self.model, self.args.train_shared)
         if self.args.ema_reset:
             self._ema = {}
         self._sync_ema()
@@ -127,17 +90,8 @@ class ClusterUpcycle(Upcycle):
         layers = moe_layers(self.model)
         return len(layers[0].groups) if layers else 0
 
-    def _layers(self) -> list[UpcycledMoE]:
-        """Every decoder layer's MoE, upcycling (without a group yet) those still dense."""
-        out = []
-        for block in decoder_layers(self.model):
-            if not isinstance(block.mlp, UpcycledMoE):
-                block.mlp = UpcycledMoE(block.mlp, **self._moe_settings())
-            out.append(block.mlp)
-        return out
-
     def _add_placeholder_group(self) -> None:
-        for layer in self._layers():
+        for layer in moe_everywhere(self.model, self.args):
             layer.add_group(slice_experts, router_std=0.0)
 
     def rank_cap(self, layer: UpcycledMoE) -> int | None:
@@ -162,7 +116,7 @@ class ClusterUpcycle(Upcycle):
         captured: dict[int, list[torch.Tensor]] = {}
         lm_before = self._forward_rows(rows, lambda i, m, x, y: captured.setdefault(i, []).append(x.float()))
         seed = self.ctx.config.seed
-        layers = self._layers()
+        layers = moe_everywhere(self.model, self.args)  # those still dense: no group yet
         fits = add_centroid_groups(layers, captured, a, seed, stage)
         lm_reference = self._forward_rows(rows)  # the group as dense slices
         cap = self.rank_cap(layers[0])  # every layer has the same h and d
@@ -211,10 +165,11 @@ class ClusterUpcycle(Upcycle):
     def loss(self, batch, step):
         a = self.args
         teacher = self.teacher_logits(batch) if a.eesd_weight > 0 else None
-        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                         labels=batch["labels"], use_cache=False)
+        with balancing_losses() as balance:  # the student's terms only, not the teacher's
+            out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             labels=batch["labels"], use_cache=False)
         lm = out.loss
-        lb = load_balancing_loss(self.model)
+        lb = balance.total(device_of(self.model))
         total, parts = lm + lb, {"lm": lm.item(), "lb": lb.item()}
         if teacher is not None:
             kl = distillation_kl(out.logits, teacher, batch["labels"], a.eesd_temperature)
@@ -235,16 +190,17 @@ class ClusterUpcycle(Upcycle):
             rec["end_routing"] = holders[rec["layer"]].report()
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "ema": {n: v.detach().clone() for n, v in self._ema.items()}}
+        return {"layout": group_sizes(self.model), "ema": {n: v.detach().clone() for n, v in self._ema.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)  # rebuilds the layout, sets what trains
+        rebuild(self.model, state["layout"], **moe_settings(self.args))
+        train_newest_group(self.model, self.args.train_shared)
         params = dict(self.model.named_parameters())
         self._ema = {n: v.to(params[n].device, params[n].dtype) for n, v in state["ema"].items()}
         self._ema_pairs = [(v, params[n]) for n, v in self._ema.items()]
 
     def param_report(self) -> dict[str, Any]:
-        report = super().param_report()
+        report = grown_param_report(self.model)
         ema = sum(v.numel() for v in self._ema.values())
         report["total"] += ema  # held while training; never deployed
         report["ema_teacher"] = ema

@@ -24,7 +24,9 @@ from cl_bench.data import IGNORE, Encoder, collate
 from cl_bench.errors import UserError
 from cl_bench.method import Stage
 from cl_bench.methods.cluster_upcycle.whiten import spherical_kmeans
-from cl_bench.models.moe import UpcycledMoE, decoder_layers, slice_experts
+from cl_bench.models.expert_init import slice_experts
+from cl_bench.models.modes import device_of, eval_mode
+from cl_bench.models.moe import UpcycledMoE, decoder_layers
 
 
 def calibration_rows(ctx, args, stage: Stage) -> list[dict[str, list[int]]]:
@@ -55,7 +57,7 @@ def forward_rows(model, ctx, rows: list[dict], on_input=None) -> float:
     padding), x, y: (n, d).
     Returns the answer-token LM loss over the rows."""
     blocks = decoder_layers(model)
-    device = next(model.parameters()).device
+    device = device_of(model)
     pad = ctx.tokenizer.pad_token_id
     selected: dict[str, torch.Tensor] = {}
 
@@ -66,11 +68,9 @@ def forward_rows(model, ctx, rows: list[dict], on_input=None) -> float:
         return post
 
     handles = [b.mlp.register_forward_hook(hook(i)) for i, b in enumerate(blocks)] if on_input else []
-    was_training = model.training
-    model.eval()
     total = n = 0.0
     try:
-        with torch.no_grad():
+        with eval_mode(model), torch.no_grad():
             size = ctx.config.train.micro_batch_size
             for start in range(0, len(rows), size):
                 batch = {k: v.to(device) for k, v in collate(rows[start:start + size], pad).items()}
@@ -84,7 +84,6 @@ def forward_rows(model, ctx, rows: list[dict], on_input=None) -> float:
     finally:
         for handle in handles:
             handle.remove()
-        model.train(was_training)
     return total / n if n else float("nan")
 
 

@@ -24,7 +24,8 @@ from torch import nn
 
 from cl_bench.methods.cluster_upcycle.records import RoutingStats, layer_record
 from cl_bench.methods.cluster_upcycle.whiten import whitened_truncated_svd
-from cl_bench.models.moe import UpcycledMoE, slice_experts
+from cl_bench.models.expert_init import slice_experts
+from cl_bench.models.moe import UpcycledMoE
 
 
 def slice_rank_cap(h: int, d: int) -> int:

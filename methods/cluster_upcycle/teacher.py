@@ -20,7 +20,7 @@ import contextlib
 import torch
 from torch import nn
 
-from cl_bench.models.moe import load_balancing_loss, moe_layers
+from cl_bench.models.moe import moe_layers
 
 
 @contextlib.contextmanager
@@ -58,9 +58,8 @@ def ema_step(pairs: list[tuple[torch.Tensor, nn.Parameter]], decay: float) -> No
 
 def teacher_logits(model: nn.Module, ema: dict[str, torch.Tensor],
                    batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """(B, T, V) logits of the EMA model with every MoE layer dense (no gradient)."""
+    """(B, T, V) logits of the EMA model with every MoE layer dense (no gradient). Run
+    outside the student's `balancing_losses()` block: it adds no balancing term."""
     kwargs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
     with torch.no_grad(), dense_routing(model):
-        logits = torch.func.functional_call(model, ema, (), kwargs).logits
-    load_balancing_loss(model)  # drop the teacher's balancing term
-    return logits
+        return torch.func.functional_call(model, ema, (), kwargs).logits

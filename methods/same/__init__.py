@@ -34,10 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from cl_bench.data import IGNORE
 from cl_bench.errors import UserError
 from cl_bench.method import Method, Stage, lm_loss
+from cl_bench.models.modes import device_of
 from cl_bench.models.moe import decoder_layers
+from cl_bench.models.prompt_pool import DECODE, PromptPool, first_tokens
 from cl_bench.registry import register_method
 
 from .args import IMPORTANCE, INPUT_OF, PRECONDITION, TARGETS, SAMEArgs, activation_schedule
@@ -84,6 +85,7 @@ class SAME(Method):
             raise UserError(f"method_args.infer_top_k={a.infer_top_k} exceeds the {self.n_experts} experts")
         model.requires_grad_(False)
         self._routing = _Routing()
+        self._pool = PromptPool(skip_first=False, refuse_chunked=False)
         self.linears: list[dict[str, SAMELinear]] = []  # per layer: proj -> wrapper
         self.covs: list[dict[str, InputCovariance]] = []  # per layer: "x", "h"
         for i, block in enumerate(decoder_layers(model)):
@@ -108,21 +110,14 @@ class SAME(Method):
 
     def _before_forward(self, module, args, kwargs):
         """Set the routing of this forward: reuse at a cached decoding step, else pool
-        over the prompt (label -100 within the attention mask)."""
-        r = self._routing
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        r.reuse = cache is not None and cache.get_seq_length() > 0
-        if r.reuse:
-            return None
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        shape = ids.shape if ids is not None else kwargs["inputs_embeds"].shape[:2]
-        device = ids.device if ids is not None else kwargs["inputs_embeds"].device
-        mask = kwargs.get("attention_mask")
-        mask = torch.ones(shape, dtype=torch.bool, device=device) if mask is None else mask.bool()
-        labels = kwargs.get("labels")
-        pool = mask if labels is None else mask & (labels == IGNORE)
-        r.pool = torch.where(pool.any(1, keepdim=True), pool, mask)  # no prompt token: every token
-        r.stat = mask & (mask.cumsum(1) > 1)  # not padding, not a row's first token
+        over the prompt (label -100 within the attention mask; a row without one: every
+        attended token; cl_bench/models/prompt_pool.py)."""
+        r, pool = self._routing, self._pool
+        pool.read(args, kwargs)
+        r.reuse = pool.kind == DECODE
+        if not r.reuse:
+            r.pool = pool.mask
+            r.stat = pool.attended & ~first_tokens(pool.attended)  # not padding, not a row's first token
         return None
 
     def _wrappers(self):
@@ -143,7 +138,7 @@ class SAME(Method):
             if self.args.importance == "live":
                 lin.importance_ref.copy_(lin.importance)
             # previous: importance_ref holds max over the earlier tasks' F (after_task)
-        n_layers, device = len(self.linears), self._device()
+        n_layers, device = len(self.linears), device_of(self.model)
         n_steps = self.stage_steps(stage)
         warmup, every = activation_schedule(n_steps, self.args)
         curvature = self._previous if (t > 0 and self.args.curvature_scaling) else []
@@ -249,9 +244,6 @@ class SAME(Method):
         self._task = None
 
     # ---- records and resume -----------------------------------------------------------
-    def _device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
     def state_dict(self) -> dict[str, Any]:
         return {
             "n_experts": self.n_experts,
@@ -267,7 +259,7 @@ class SAME(Method):
         if state["n_experts"] != self.n_experts:
             raise UserError(f"same: the checkpoint has {state['n_experts']} experts, this run "
                             f"{self.n_experts}; resume with the original method_args")
-        device = self._device()
+        device = device_of(self.model)
         for covs, saved in zip(self.covs, state["covs"]):
             for key, cov in covs.items():
                 cov.load_state_dict(saved[key])

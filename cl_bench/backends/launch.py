@@ -1,0 +1,55 @@
+"""`cl-bench run --nproc N`: start N ranks of the same command through DeepSpeed's
+launcher, after checking once what can be checked before N processes start.
+Each rank sees RANK in its environment and runs the command as one rank of the
+deepspeed backend; SIGINT or SIGTERM to the launching process stops the
+launcher and every rank (cl_bench/signals.py).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from cl_bench.errors import UserError
+
+
+def must_launch(args, config) -> bool:
+    """--nproc N: whether this process must start the N ranks (False: it is one of
+    them). Everything checkable is checked here, once, before N processes start."""
+    from cl_bench import registry
+    from cl_bench.backends import check_support
+    from cl_bench.config import build
+    from cl_bench.prepare import resumable
+    from cl_bench.results import RUN_FILE, read_record
+
+    if args.nproc < 1:
+        raise UserError(f"--nproc {args.nproc}: give at least 1 rank")
+    if config is None:
+        record = resumable(read_record(args.resume), args.resume)
+        config = build(record.config, f"{args.resume / RUN_FILE}: config")
+    if config.backend != "deepspeed":
+        raise UserError("--nproc starts ranks of the deepspeed backend; add --backend deepspeed")
+    if "RANK" in os.environ:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != args.nproc:
+            raise UserError(f"--nproc {args.nproc} inside a launch of {world} ranks; drop --nproc "
+                            f"or launch {args.nproc}")
+        return False
+    check_support(registry.get(config.method), config)
+    from cl_bench.backends.deepspeed_backend import ds_config
+
+    ds_config(config, args.nproc, False)  # a conflicting DeepSpeed config file fails here, once
+    return True
+
+
+def launch(args) -> tuple[int, bool]:
+    """Start --nproc ranks of this same command (`args.argv`) through DeepSpeed's
+    launcher; returns only when all have exited: (the launcher's exit code, whether
+    a signal stopped them; the ranks said what the interrupt left)."""
+    from cl_bench import signals
+    from cl_bench.backends.deepspeed_backend import free_port
+
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.nproc),
+                "--master_port", str(free_port()), "--no_local_rank", "--module", "cl_bench.cli"]
+    env = {**os.environ, "CL_BENCH_COMMAND": args.command_line}
+    code, stop = signals.wait_forwarding(signals.start_group([*launcher, *args.argv], env))
+    return code, stop.fired
