@@ -42,6 +42,9 @@ def _add_run(sub) -> None:
     p.add_argument("--keep-checkpoint", action="store_true",
                    help="keep the last checkpoint (weights, optimiser) after the run completes")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--log", choices=["none", "tensorboard", "wandb"],
+                   help="per-step training metrics also to TensorBoard (<run>/tensorboard/) or W&B "
+                        "(offline unless WANDB_MODE says otherwise), rank 0 only; default none")
     p.add_argument("--backend", choices=["torch", "deepspeed"],
                    help="torch: one process (default); deepspeed: ZeRO-2/3 over --nproc ranks")
     p.add_argument("--zero", type=int, choices=[2, 3], help="deepspeed: the ZeRO stage (default 2)")
@@ -52,7 +55,7 @@ def _add_run(sub) -> None:
 
 # Flags of `run` that set config fields; --resume keeps the recorded config and refuses them.
 RUN_CONFIG_FLAGS = ("method", "model", "profile", "config", "seed", "data_dir", "order", "n_train", "n_test",
-                    "output_dir", "run_id", "method_arg", "set", "eval_all", "backend", "zero")
+                    "output_dir", "run_id", "method_arg", "set", "eval_all", "backend", "zero", "log")
 
 
 def run_overrides(args) -> dict:
@@ -60,7 +63,7 @@ def run_overrides(args) -> dict:
     from cl_bench.config import set_dotted
 
     raw: dict = {}
-    for key in ("method", "model", "profile", "seed", "output_dir", "run_id", "backend"):
+    for key in ("method", "model", "profile", "seed", "output_dir", "run_id", "backend", "log"):
         if getattr(args, key) is not None:
             raw[key] = getattr(args, key)
     data = {key: getattr(args, key) for key in ("data_dir", "order", "n_train", "n_test")

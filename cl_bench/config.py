@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from cl_bench.errors import UserError, did_you_mean
+from cl_bench.metric_log import KINDS as LOG_KINDS
 from cl_bench.precision import CHOICES as PRECISIONS
 from cl_bench.profiles import PROFILES
 
@@ -71,6 +72,9 @@ class EvalConfig:
     cka_probe: int = 0  # test examples per task whose per-layer CKA since the task was learned is
     #                     recorded after every stage (cl_bench/analysis/probes.py; `cl-bench analyze`); 0: off
     cka_probe_tokens: int = 512  # at most this many of their tokens
+    routing_probe: int = 0  # test examples per task whose routed-expert distribution per MoE layer and its
+    #                         JS divergence since the task was learned are recorded after every stage
+    #                         (cl_bench/analysis/routing.py; `cl-bench analyze`); 0: off; dense models: nothing
     sharpness: int = 0  # test examples of the last task for expert sharpness after the last stage; 0: off
     sharpness_iters: int = 10  # Lanczos steps (Hessian-vector products) per expert
     sharpness_layers: list[int] | None = None  # decoder layer indices to probe (None: every MoE layer);
@@ -108,6 +112,7 @@ class RunConfig:
     output_dir: str = "runs"
     run_id: str | None = None  # None: <method>-<timestamp>-<random>
     backend: str = "torch"  # torch: one process; deepspeed: ZeRO-2/3 over any number of ranks
+    log: str = "none"  # per-step metrics also to: none | tensorboard | wandb (cl_bench/metric_log.py)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -115,7 +120,7 @@ class RunConfig:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
     def __post_init__(self) -> None:
-        for name in ("cka_probe", "cka_probe_tokens", "sharpness", "sharpness_iters"):
+        for name in ("cka_probe", "cka_probe_tokens", "routing_probe", "sharpness", "sharpness_iters"):
             if getattr(self.eval, name) < 0:
                 raise UserError(f"eval.{name}={getattr(self.eval, name)} must be >= 0 (0 turns it off)")
         if any(i < 0 for i in self.eval.sharpness_layers or []):
@@ -163,6 +168,9 @@ class RunConfig:
             raise UserError("replay.per_task must be at least 1 (or null) and replay.lima at least 0")
         if self.backend not in ("torch", "deepspeed"):
             raise UserError(f"backend={self.backend!r} is not available; choose 'torch' or 'deepspeed'")
+        if self.log not in LOG_KINDS:
+            raise UserError(f"log={self.log!r}: {did_you_mean(self.log, LOG_KINDS)}choose one of "
+                            f"{', '.join(LOG_KINDS)}")
         if self.deepspeed.zero not in (2, 3):
             raise UserError(f"deepspeed.zero={self.deepspeed.zero} must be 2 or 3")
 

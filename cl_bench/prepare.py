@@ -20,6 +20,7 @@ import torch
 
 from cl_bench import registry, results, run_state
 from cl_bench.analysis.probes import RepresentationProbe
+from cl_bench.analysis.routing import RoutingProbe
 from cl_bench.backends import Backend, check_support
 from cl_bench.backends import create as create_backend
 from cl_bench.benchmarks.trace import load_benchmark, load_split, resolve_data_dir, resolve_order
@@ -54,7 +55,10 @@ class Run:
     optimizer: torch.optim.Optimizer | None = None
     progress: bool = True
     probe: RepresentationProbe | None = None  # eval.cka_probe > 0
+    routing: RoutingProbe | None = None  # eval.routing_probe > 0
     lock: Any = None  # rank 0: the run folder's lock (results.lock_run), held until execute ends
+    metrics: Any = None  # the per-step metric logger (cl_bench/metric_log.py), while execute runs
+    global_step: int = 0  # optimiser steps so far over the whole run (the metric logger's x axis)
 
     @property
     def cache_dir(self) -> Path | None:
@@ -150,6 +154,8 @@ def _prepare_locked(config, resume_dir, run_dir, record, method_cls, method_args
               progress=progress and backend.is_main)
     if config.eval.cka_probe:
         run.probe = RepresentationProbe(config.eval.cka_probe, config.eval.cka_probe_tokens)
+    if config.eval.routing_probe:
+        run.routing = RoutingProbe(config.eval.routing_probe)
     if resume_dir is not None and not restart:
         run_state.restore(run, command)
     else:  # validation, data, model load and method set-up, before the first evaluation

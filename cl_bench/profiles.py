@@ -22,7 +22,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         # BWT <= -5; adapter, expert: the highest learning gain on the eval split);
         # more training examples where steps are cheap (NumGLUE's short answers);
         # test items spent where scoring is cheap (short answers), not on long
-        # generations; the zero-shot row and next-task scores for Gain and FWT.
+        # generations; the zero-shot row and next-task scores for Gain and FWT; the CKA
+        # and routing-drift probes on 8 test examples a task (cl_bench/analysis/).
         "model": "smollm2-135m",
         "data": {"order": "paper6", "n_train": 128, "n_test": 48,
                  "n_train_per_task": {"MeetingBank": 96, "20Minuten": 96, "NumGLUE-cm": 256,
@@ -33,7 +34,7 @@ PROFILES: dict[str, dict[str, Any]] = {
                   "max_prompt_len": 256, "max_answer_len": 96, "truncation_head": 48,
                   "precision": "auto", "lr_by_family": {"full": 3e-4, "adapter": 3e-3, "expert": 3e-4}},
         "eval": {"batch_size": 16, "max_new_tokens_cap": 64, "zero_shot": True, "next_task": True,
-                 "precision": "auto"},
+                 "precision": "auto", "cka_probe": 8, "routing_probe": 8},
     },
     "paper": {
         # The upcycling paper's setup (reference/bilevel-reference.md §6): Llama-3.2-1B,

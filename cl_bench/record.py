@@ -232,7 +232,8 @@ class RunRecord:
     config: the resolved RunConfig, whole. backend: what trained it (name,
         world_size, precision...). timing: Timing. versions: of the packages;
         git_commit: of cl-bench ("+dirty" with local changes). stages_done.
-    probes: eval.cka_probe's CKA and eval.sharpness's rows, by stage.
+    probes: eval.cka_probe's CKA, eval.routing_probe's routed-expert shares and JS
+        divergences, and eval.sharpness's rows, by stage.
     resumes: one {at_stage, command, backend} per --resume.
     intervals: cl_bench.intervals.run_intervals, once complete.
     failed_at: {stage, step} where a loss diverged. error: what stopped the run.

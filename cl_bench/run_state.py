@@ -43,6 +43,7 @@ def save(run: Run, stage_index: int) -> None:
         "rng": results.rng_state(),
         "replay": run.replay.state_dict(),
         "probe": run.probe.state_dict() if run.probe is not None else None,
+        "routing": run.routing.state_dict() if run.routing is not None else None,
     }
     if run.optimizer is not None:
         state["optimizer"] = {
@@ -67,6 +68,8 @@ def restore(run: Run, command: str) -> None:
     run.replay.load_state_dict(state["replay"], run.replay_sources)
     if run.probe is not None and state.get("probe") is not None:
         run.probe.load_state_dict(state["probe"])
+    if run.routing is not None and state.get("routing") is not None:
+        run.routing.load_state_dict(state["routing"])
     done = state["stage"] + 1
     rec = run.record
     for kind in (rec.probes or {}).values():  # what the interrupted stage recorded

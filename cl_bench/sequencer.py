@@ -28,6 +28,7 @@ from cl_bench.errors import UserError
 from cl_bench.evaluation import evaluate_task
 from cl_bench.intervals import run_intervals
 from cl_bench.method import Phase, Stage
+from cl_bench.metric_log import make_logger
 from cl_bench.metrics.cl import summarise
 from cl_bench.prepare import Run
 from cl_bench.record import ParamReport, RunRecord, StageTiming
@@ -42,8 +43,10 @@ def execute(run: Run, keep_checkpoint: bool = False, stop: signals.Stop | None =
     error (a collective whose peer rank had already stopped) or was swallowed (`stop`:
     the caller's, which may have fired while the run was being prepared)."""
     rec = run.record
+    run.global_step = sum(s.steps for s in rec.timing.stages)
     with signals.interrupt_on_signals(stop) as stop:
         try:
+            run.metrics = make_logger(run.config.log, run.run_dir, run.config.to_dict(), run.backend.is_main)
             stop.check()
             ev = run.config.eval
             if (ev.eval_all or ev.zero_shot) and rec.zero_shot is None:
@@ -80,6 +83,9 @@ def execute(run: Run, keep_checkpoint: bool = False, stop: signals.Stop | None =
                 raise KeyboardInterrupt(stop.names) from exc
             raise
         finally:
+            if run.metrics is not None:
+                run.metrics.close()
+                run.metrics = None
             if run.lock is not None:
                 run.lock.close()
                 run.lock = None
@@ -170,6 +176,8 @@ def _train_phase(run: Run, stage: Stage, phase: Phase, desc: str, log_rows: list
                                 f"and stopped ({kept}): lower method_args.lr (now {method.args.lr:g}) "
                                 f"and start a new run")
             log_rows.append({"stage": stage.index, **extra, "step": step, **parts})
+            run.global_step += 1
+            run.metrics.log(run.global_step, {"stage": stage.index, **parts})
             bar.set_postfix({k: f"{v:.3f}" for k, v in parts.items() if k != "grad_norm"})
             bar.update()
 
@@ -199,11 +207,16 @@ def _evaluate(run: Run, stage_label: str, indices: list[int], model) -> dict[int
 
 def _probe(run: Run, stage: Stage, trained: list) -> None:
     """The optional analyses of eval: CKA per layer of each trained task since it
-    was learned (every stage), expert sharpness (after the last stage)."""
+    was learned and its routing drift (every stage), expert sharpness (after the
+    last stage)."""
     probes = run.record.probes or {}
     model, ev = run.method.model, run.config.eval
     if run.probe is not None:
         probes.setdefault("cka", {})[str(stage.index)] = run.probe.after_stage(model, run.encoder, trained)
+    if run.routing is not None:
+        routed = run.routing.after_stage(model, run.encoder, trained)
+        if routed:
+            probes.setdefault("routing", {})[str(stage.index)] = routed
     if ev.sharpness and stage.index == len(run.stages) - 1:
         rows = [run.encoder.train_example(e.prompt, e.answer) for e in stage.tasks[-1].test[:ev.sharpness]]
         batch = {k: v.to(run.backend.device)

@@ -14,6 +14,10 @@ beside it. Each figure is drawn when the record holds its data:
 - cka.png: CKA per decoder layer between each earlier task's representation
   after the last stage and right after that task was learned (the record's
   "probes", written by runs with eval.cka_probe > 0; cl_bench/analysis/probes.py).
+- routing.png: each earlier task's routing drift, the JS divergence of its
+  routed-expert distribution from the one right after it was learned, by stage
+  (mean over MoE layers) and per layer after the last stage (runs with
+  eval.routing_probe > 0 on MoE models; cl_bench/analysis/routing.py).
 - sharpness.png: per MoE layer, each expert of the newest group after the last
   stage by gradient norm and by top Hessian eigenvalue, experts that receive
   under 5% of the routing assignments hollow (runs with eval.sharpness > 0).
@@ -183,6 +187,39 @@ def cka(record: RunRecord, path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def routing(record: RunRecord, path: Path) -> Path | None:
+    """Routing drift (cl_bench/analysis/routing.py): left, each earlier task's JS
+    divergence from its routing right after it was learned, mean over MoE layers,
+    by stage; right, the last stage's JS per layer and task."""
+    plt = _pyplot()
+    by_stage = (record.probes or {}).get("routing") or {}
+    stages = sorted(by_stage, key=int)
+    tasks = [t for t in record.tasks if any("js" in (by_stage[s].get(t) or {}) for s in stages)]
+    if not tasks:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for task in tasks:
+        points = [(int(s) + 1, sum(e["js"]) / len(e["js"])) for s in stages
+                  if "js" in (e := by_stage[s].get(task) or {})]
+        axes[0].plot(*zip(*points), marker=".", label=task)
+    axes[0].set_xlabel("after stage")
+    axes[0].xaxis.get_major_locator().set_params(integer=True)
+    axes[0].set_ylabel("JS divergence (bits), mean over MoE layers")
+    axes[0].set_ylim(0, 1)
+    axes[0].legend(fontsize=7)
+    last = stages[-1]
+    shown = [t for t in tasks if "js" in (by_stage[last].get(t) or {})]
+    grid = [by_stage[last][t]["js"] for t in shown]
+    image = axes[1].imshow(grid, cmap="viridis", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
+    axes[1].set_yticks(range(len(shown)), shown, fontsize=7)
+    axes[1].set_xlabel("MoE layer (depth order)")
+    axes[1].xaxis.get_major_locator().set_params(integer=True)
+    axes[1].set_title(f"after stage {int(last) + 1}", fontsize=9)
+    fig.colorbar(image, ax=axes[1], label="JS (bits)")
+    fig.suptitle(f"{record.method}: routing of earlier tasks against right after each was learned", fontsize=10)
+    return _save(fig, path)
+
+
 RARE_SHARE = 0.05  # experts under this share of the assignments are marked
 
 
@@ -231,7 +268,8 @@ def analyze(run_dir: Path, against: Path | None = None, from_stage: int = 0,
         drawn = draw(record, run_dir / name, iv)
         if drawn is not None:
             out.append(drawn)
-    for draw, name in ((decisions, "decisions.png"), (cka, "cka.png"), (sharpness, "sharpness.png")):
+    for draw, name in ((decisions, "decisions.png"), (cka, "cka.png"), (routing, "routing.png"),
+                       (sharpness, "sharpness.png")):
         drawn = draw(record, run_dir / name)
         if drawn is not None:
             out.append(drawn)
