@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.cl-bench-installed
 export CL_BENCH_DATA ?= $(abspath ../shared/trace/LLM-CL-Benchmark_500)
 
-.PHONY: install main test
+.PHONY: install main test test-fast
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,5 +21,10 @@ install: $(STAMP)
 main: install
 	$(VENV)/bin/cl-bench run --profile cpu --method seqft --output-dir runs
 
+# The whole suite (what .ci/run calls). test-fast: without the tests marked slow
+# (end-to-end runs, launches, the real data; pyproject.toml), under a minute.
 test: install
+	$(PY) -m pytest -q --durations=15
+
+test-fast: install
 	$(PY) -m pytest -q -m "not slow" --durations=15

@@ -1,13 +1,17 @@
 """The Method contract: the hooks a continual-learning method may override.
 
-The sequencer calls, for each stage b:
+The sequencer calls, for each stage b of plan(tasks):
     before_task(stage) -> for each of phases(stage) (one "train" phase by default):
         [before_phase(stage, phase) -> optimizer_for_stage(stage, previous) ->
-         [loss(batch, step)*, before_step(step), optimiser step, after_step(step)]*]
-    -> after_task(stage) -> eval_tasks / eval_model -> param_report
+         [loss(batch, step)* (+ replay_loss(batch, step) per replay micro-batch),
+          before_step(step), optimiser step, after_step(step)]*]
+    -> after_task(stage) -> (the harness prunes parameters that left the model from
+    the optimiser) -> evaluation (eval_scope) -> param_report
 and state_dict()/load_state_dict() around checkpoints. It never looks at a
-method's name: anything a method needs from the harness is one of these hooks
-or a declared class attribute.
+method's name: anything a method needs from the harness is one of these hooks,
+a declared class attribute, or in its MethodContext (config, device, tokenizer,
+encoder, pad id, all tasks, the number of stages, the steps of a stage). The
+table of hook -> methods is in docs/ARCHITECTURE.md.
 """
 from __future__ import annotations
 
@@ -66,10 +70,30 @@ class MethodContext:
     all_tasks: list = field(default_factory=list)  # list[TaskData] in order
     encoder: Encoder | None = None
     n_stages: int | None = None
+    shapes_only: bool = False  # `cl-bench params`: no data, tokenizer or encoder, the model on the meta device
+
+    @classmethod
+    def for_shapes(cls, n_stages: int) -> MethodContext:
+        """The context of `cl-bench params`: `n_stages` stages without data (every
+        stage's `tasks` is empty), default config, no tokenizer."""
+        return cls(config=RunConfig(), device=torch.device("meta"), tokenizer=None, n_stages=n_stages,
+                   shapes_only=True)
 
     @property
     def pad_id(self) -> int:
         return self.tokenizer.pad_token_id
+
+    def stage_steps(self, stage: Stage) -> int | None:
+        """Optimiser steps one phase of `stage` takes, as the sequencer batches it
+        (epoch e holds the tasks with more than e epochs; TRACE's extra replay epoch
+        not counted); None for a stage without data (`cl-bench params`). For methods
+        that fit a schedule to the task's length."""
+        if not stage.tasks:
+            return None
+        t = self.config.train
+        epochs = [t.epochs_for(task.name) for task in stage.tasks]
+        return sum(-(-sum(len(task.train) for task, n in zip(stage.tasks, epochs) if e < n) // t.batch_size)
+                   for e in range(max(epochs)))
 
 
 class Method:
@@ -79,6 +103,10 @@ class Method:
     Args: ClassVar[type] = MethodArgs
     uses_replay: ClassVar[bool] = False  # draws from the harness's shared replay buffer
     reference: ClassVar[bool] = False  # a reference row (reported beside, never ranked)
+    # Which tasks are scored after a stage: "seen" (every task trained so far: the
+    # stage x task matrix) or "stage" (only the stage's own tasks: a reference row
+    # that restarts from the pretrained model, R[j][j] only).
+    eval_scope: ClassVar[str] = "seen"
     baseline: ClassVar[bool] = False  # the row the leaderboard marks every other against (SeqFT)
     # What the method trains, for the profile's learning rate (train.lr_by_family):
     # "full" (all weights), "adapter" (small added modules, base frozen) or "expert"
@@ -149,21 +177,6 @@ class Method:
     def before_phase(self, stage: Stage, phase: Phase) -> None:
         """Called before each phase trains, after before_task (change what trains)."""
 
-    def stage_steps(self, stage: Stage) -> int | None:
-        """Optimiser steps one phase of `stage` takes, as the sequencer batches it
-        (epoch e holds the tasks with more than e epochs; TRACE's extra replay epoch
-        not counted); None without a context (`cl-bench params`). For methods that
-        fit a schedule to the task's length."""
-        if self.ctx is None or not stage.tasks:
-            return None
-        t = self.ctx.config.train
-        epochs = [t.epochs_for(task.name) for task in stage.tasks]
-        return sum(-(-sum(len(task.train) for task, n in zip(stage.tasks, epochs) if e < n) // t.batch_size)
-                   for e in range(max(epochs)))
-
-    def param_groups(self) -> list[dict]:
-        return [{"params": [p for p in self.model.parameters() if p.requires_grad]}]
-
     def make_optimizer(self, groups: list[dict]) -> torch.optim.Optimizer:
         a = self.args
         return torch.optim.AdamW(groups, lr=a.lr, betas=(a.beta1, a.beta2),
@@ -174,7 +187,7 @@ class Method:
         """Keep the optimiser (and its moments) while the trainable set is unchanged,
         as TRACE's single engine does; otherwise build a new one over the new set,
         carrying the state of parameters that persist."""
-        groups = self.param_groups()
+        groups = trainable_groups(self.model)
         params = [p for g in groups for p in g["params"]]
         if previous is not None:
             old = [p for g in previous.param_groups for p in g["params"]]
@@ -207,14 +220,6 @@ class Method:
     def after_task(self, stage: Stage) -> None:
         """Called after a stage trains (Fisher, finalise masks, ...)."""
 
-    def eval_tasks(self, stage: Stage, seen: list[int]) -> list[int]:
-        """Indices of the tasks to evaluate after `stage`. Default: all tasks seen."""
-        return seen
-
-    def eval_model(self, stage: Stage) -> nn.Module:
-        """The module to evaluate (an ensemble, a merged model ...). Default: the model."""
-        return self.model
-
     def state_dict(self) -> dict[str, Any]:
         """Method state beyond the model weights, for resume."""
         return {}
@@ -235,8 +240,9 @@ class Method:
         """param_report after each stage of `n_tasks` tasks, without training or data
         (`cl-bench params`): the method's own setup/before_task/before_phase run on
         `model` (on the meta device: shapes only), which they may change in place.
-        Methods whose hooks need data or a tokenizer override this."""
-        method = cls(args, context=None)
+        The context is MethodContext.for_shapes: hooks that need data check
+        `ctx.shapes_only`."""
+        method = cls(args, MethodContext.for_shapes(n_tasks))
         method.setup(model)
         rows = []
         for t in range(n_tasks):
@@ -246,6 +252,24 @@ class Method:
                 method.before_phase(stage, phase)
             rows.append({"stage": t, **method.param_report()})
         return rows
+
+
+def trainable_groups(model: nn.Module) -> list[dict]:
+    """One optimiser parameter group: the parameters that require gradients, in model order."""
+    return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+
+
+def prune_optimizer(optimizer: torch.optim.Optimizer | None, model: nn.Module) -> None:
+    """Remove from `optimizer` (and its state) the parameters no longer in `model`
+    (a method that replaced or dropped modules, e.g. finalised search clones): the
+    harness does this after every stage, before the checkpoint names what it holds."""
+    if optimizer is None:
+        return
+    live = {id(p) for p in model.parameters()}
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) in live]
+    for p in [p for p in optimizer.state if id(p) not in live]:
+        del optimizer.state[p]
 
 
 def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -27,7 +27,7 @@ from cl_bench.data import collate, tokenize_train
 from cl_bench.errors import UserError
 from cl_bench.evaluation import evaluate_task
 from cl_bench.intervals import run_intervals
-from cl_bench.method import Phase, Stage
+from cl_bench.method import Phase, Stage, prune_optimizer
 from cl_bench.metric_log import make_logger
 from cl_bench.metrics.cl import summarise
 from cl_bench.prepare import Run
@@ -51,8 +51,7 @@ def execute(run: Run, keep_checkpoint: bool = False, stop: signals.Stop | None =
             ev = run.config.eval
             if (ev.eval_all or ev.zero_shot) and rec.zero_shot is None:
                 t0 = time.perf_counter()
-                evals = _evaluate(run, "zero-shot", list(range(len(run.tasks))),
-                                  run.method.eval_model(run.stages[0]))
+                evals = _evaluate(run, "zero-shot", list(range(len(run.tasks))), run.method.model)
                 rec.zero_shot = [evals[j].score for j in range(len(run.tasks))]
                 for j, ev_j in evals.items():  # stage -1: the zero-shot row, before any training
                     rec.task_metrics.append({"stage": results.ZERO_SHOT_STAGE, "task": run.tasks[j].name, **ev_j.details})
@@ -109,18 +108,20 @@ def _run_stage(run: Run, stage: Stage) -> None:
         n_steps += steps_done
         replayed += used
     method.after_task(stage)
+    prune_optimizer(run.optimizer, method.model)  # parameters the method removed leave the optimiser
     for task in stage.tasks:
         run.replay.add_task(task)
     train_s = time.perf_counter() - t0
 
     t1 = time.perf_counter()
     trained = sorted({run.tasks.index(task) for s in run.stages[:stage.index + 1] for task in s.tasks})
+    own = sorted(run.tasks.index(task) for task in stage.tasks)
     indices = (list(range(len(run.tasks))) if run.config.eval.eval_all
-               else method.eval_tasks(stage, trained))
+               else own if method.eval_scope == "stage" else trained)
     if run.config.eval.next_task and stage.index + 1 < n_stages:  # R[b][next], for FWT
         upcoming = [run.tasks.index(t) for t in run.stages[stage.index + 1].tasks]
         indices = sorted(set(indices) | set(upcoming))
-    evals = _evaluate(run, label, indices, method.eval_model(stage))
+    evals = _evaluate(run, label, indices, method.model)
     eval_s = time.perf_counter() - t1
     for j, ev in evals.items():
         rec.matrix[stage.index][j] = ev.score

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from cl_bench.method import Method, Stage
+from cl_bench.method import Method, Stage, trainable_groups
 from cl_bench.registry import register_method
 
 
@@ -18,6 +18,7 @@ class Individual(Method):
     description = "Reference: a fresh pretrained model fine-tuned on each task alone (R[j][j] only)"
     lr_family = "full"
     reference = True
+    eval_scope = "stage"  # each task's fresh model is scored on that task alone
 
     def setup(self, model: torch.nn.Module) -> None:
         super().setup(model)
@@ -32,10 +33,7 @@ class Individual(Method):
         self._tasks_done = stage.index + 1
 
     def optimizer_for_stage(self, stage: Stage, previous):
-        return self.make_optimizer(self.param_groups())  # fresh moments for every task
-
-    def eval_tasks(self, stage: Stage, seen: list[int]) -> list[int]:
-        return [seen[-1]]
+        return self.make_optimizer(trainable_groups(self.model))  # fresh moments for every task
 
     def param_report(self) -> dict:
         report = super().param_report()

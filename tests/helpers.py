@@ -1,18 +1,96 @@
-"""Helpers shared by the method tests: a tiny task and a method set up on the
-tiny random Llama (2 layers, width 64)."""
+"""Helpers the tests share (conftest.py keeps the fixtures and the pytest hooks):
+the synthetic TRACE tree and the CLI, a method set up on the tiny random Llama
+(2 layers, width 64), and what the method and backend tests of one family share.
+Importable from every folder under tests/ (`pythonpath` in pyproject.toml)."""
 from __future__ import annotations
 
+import json
+import random
+from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
+import torch.nn.functional as F
 
-from cl_bench import registry
+from cl_bench import registry, results
 from cl_bench.benchmarks.trace.loader import Example
-from cl_bench.config import RunConfig, TrainConfig
-from cl_bench.data import Encoder
-from cl_bench.method import MethodContext
+from cl_bench.cli import main
+from cl_bench.config import RunConfig, TrainConfig, resolve
+from cl_bench.data import IGNORE, Encoder, collate
+from cl_bench.method import MethodContext, Stage
 from cl_bench.models.loading import tiny_llama
 
+# ---- the synthetic TRACE tree and the CLI --------------------------------------
+
+SMOKE_TASKS = ["NumGLUE-cm", "Py150", "20Minuten"]
+
+
+def trace_example(task: str, rng: random.Random) -> dict:
+    a, b = rng.randint(1, 9), rng.randint(1, 9)
+    if task == "Py150":
+        return {"prompt": f"<s> def f{a}(x):<EOL> y = x + {b}<EOL>", "answer": f"return y * <NUM_LIT:{a}>"}
+    if task == "20Minuten":
+        return {"prompt": f"Provide a simplified version of the following paragraph in German.\n\n"
+                          f"Paragraph:\nDer Hund {a} lief heute sehr schnell nach Hause {b}.\n\nSimplification:",
+                "answer": f"Der Hund {a} lief nach Hause."}
+    return {"prompt": f"Solve the following math problem.\nQuestion:\n{a} plus {b}?\nAnswer:",
+            "answer": str(a + b)}
+
+
+def make_trace(root: Path, tasks=SMOKE_TASKS, n_train: int = 12, n_test: int = 6) -> Path:
+    rng = random.Random(0)
+    for task in tasks:
+        folder = root / task
+        folder.mkdir(parents=True, exist_ok=True)
+        for split, n in (("train", n_train), ("eval", n_test), ("test", n_test)):
+            (folder / f"{split}.json").write_text(json.dumps([trace_example(task, rng) for _ in range(n)]))
+    return root
+
+
+def run_cli(*argv: str) -> int:
+    return main([str(a) for a in argv])
+
+
+def only_run(out: Path) -> Path:
+    """The one run folder under `out` (which also holds the tokenisation cache)."""
+    (run_dir,) = [p.parent for p in Path(out).glob("*/run.json")]
+    return run_dir
+
+
+def interrupted_run(monkeypatch, *argv, at_stage: int, backend: type | None = None) -> Path:
+    """Run the CLI, raising KeyboardInterrupt (Ctrl-C) while stage `at_stage`
+    (0-based) trains on `backend` (a Backend class; default TorchBackend), on every
+    rank; returns the run folder, whose finished stages are saved."""
+    import torch
+
+    if backend is None:
+        from cl_bench.backends.torch_backend import TorchBackend as backend
+    real = backend.train_stage
+
+    def interrupt(self, method, optimizer, stage, *args, **kwargs):
+        if stage.index == at_stage:
+            raise KeyboardInterrupt
+        return real(self, method, optimizer, stage, *args, **kwargs)
+
+    monkeypatch.setattr(backend, "train_stage", interrupt)
+    try:
+        assert run_cli(*argv) == 130
+    finally:
+        monkeypatch.setattr(backend, "train_stage", real)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # with several ranks: until rank 0 has written the record
+    argv = [str(a) for a in argv]
+    return only_run(Path(argv[argv.index("--output-dir") + 1]))
+
+
+def smoke_args(trace_dir: Path, out: Path, *extra: str) -> list[str]:
+    """A smoke run on the synthetic data; lr 1e-3 so the tiny model visibly learns."""
+    return ["run", "--profile", "smoke", "--data-dir", str(trace_dir), "--output-dir", str(out),
+            "--no-progress", "--method-arg", "lr=1e-3", *extra]
+
+
+# ---- a method on the tiny Llama --------------------------------------------------
 
 def make_task(name: str, n: int = 8, offset: int = 0) -> SimpleNamespace:
     """`n` arithmetic examples, numbered from `offset` (other offsets: other examples)."""
@@ -33,3 +111,178 @@ def make_method(name: str, seed: int = 0, **args):
     torch.manual_seed(seed)
     method.setup(model)
     return method
+
+
+# ---- mechanism tests (O-LoRA, OGD, LwF): the backend's hooks, by hand -------------
+
+def encode(method, examples) -> dict[str, torch.Tensor]:
+    encoder = method.ctx.encoder
+    return collate([encoder.train_example(e.prompt, e.answer) for e in examples], method.ctx.pad_id)
+
+
+def distinct_stages(n: int) -> list[Stage]:
+    # Different examples per task, so each task's gradients are its own.
+    return [Stage(i, [make_task(f"task{i}", n=6, offset=10 * i)], f"task{i}") for i in range(n)]
+
+
+def answer_ce(model, batch) -> torch.Tensor:
+    """Causal-LM cross-entropy by hand: mean over the positions whose next label is not IGNORE."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   use_cache=False).logits  # (B, L, V)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
+                           ignore_index=IGNORE)
+
+
+def run_steps(method, stage: Stage, batch, n_steps: int, optimizer=None, on_step=None):
+    """The backend's per-step hook order on one fixed batch (no before/after_task)."""
+    optimizer = method.optimizer_for_stage(stage, optimizer)
+    for step in range(n_steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss, parts = method.loss(batch, step)
+        loss.backward()
+        method.before_step(step)
+        if on_step is not None:
+            on_step(step, loss, parts)
+        optimizer.step()
+        method.after_step(step)
+    return optimizer
+
+
+# ---- the LoRA family (lora, olora, ogd) --------------------------------------------
+# The tiny model has 2 layers of width 64 with 2 KV heads of 16, so q_proj is
+# 64 -> 64 and v_proj 64 -> 32; one rank-8 LoRA on both adds, per layer,
+# 8·(64+64) + 8·(64+32) = 1792 parameters, 3584 in all.
+
+LORA_SIZE = 2 * (8 * (64 + 64) + 8 * (64 + 32))  # 3584
+
+
+def batch_of(method, task) -> dict[str, torch.Tensor]:
+    rows = [method.ctx.encoder.train_example(e.prompt, e.answer) for e in task.train[:4]]
+    return collate(rows, method.ctx.pad_id)
+
+
+def train_stage(method, stage: Stage, n_steps: int = 3, optimizer=None):
+    """The backend's hook order on one fixed batch; returns the optimiser."""
+    method.before_task(stage)
+    optimizer = method.optimizer_for_stage(stage, optimizer)
+    batch = batch_of(method, stage.tasks[0])
+    for step in range(n_steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss, _ = method.loss(batch, step)
+        loss.backward()
+        method.before_step(step)
+        optimizer.step()
+        method.after_step(step)
+    method.after_task(stage)
+    return optimizer
+
+
+def stages(n: int) -> list[Stage]:
+    return [Stage(i, [make_task(f"task{i}")], f"task{i}") for i in range(n)]
+
+
+def complete_record(run_dir: Path) -> dict:
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "complete"
+    assert [[v is not None for v in row] for row in record["matrix"]] == \
+        [[j <= b for j in range(3)] for b in range(3)]
+    assert record["summary"] is not None and len(record["params"]) == 3
+    return record
+
+
+# ---- EWC and LwF: the smoke profile's config, the λ = 0 reference -------------------
+
+TWO_TASKS = ("--order", "NumGLUE-cm,Py150")
+
+
+def record(run_dir: Path) -> dict:
+    return json.loads((run_dir / "run.json").read_text())
+
+
+def metric(run_dir: Path, key: str, stage: int | None = None) -> list[float]:
+    return [r[key] for r in results.read_jsonl(run_dir / "metrics.jsonl")
+            if stage is None or r["stage"] == stage]
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return results.load_checkpoint(run_dir)["model"]
+
+
+def task(*pairs: tuple[str, str]):
+    return SimpleNamespace(name="t", train=[SimpleNamespace(prompt=p, answer=a) for p, a in pairs])
+
+
+TASK_A = task(("Question:\n1 plus 2?\nAnswer:", "3"), ("Question:\n4 plus 4?\nAnswer:", "8"))
+TASK_B = task(("<s> def f(x):<EOL>", "return x"), ("<s> y = 2<EOL>", "print(y)"))
+
+
+def make(name: str, n_tasks: int = 3, **args):
+    """A method on the tiny model with the smoke profile's config, set up."""
+    model, tokenizer, _ = tiny_llama(0)
+    config = resolve("smoke", None, {"method": name})
+    ctx = MethodContext(config=config, device=torch.device("cpu"), tokenizer=tokenizer,
+                        all_tasks=[TASK_A] * n_tasks, encoder=Encoder.from_config(tokenizer, config.train),
+                        n_stages=n_tasks)
+    cls = registry.get(name)
+    method = cls(cls.parse_args(args), ctx)
+    method.setup(model)
+    return method
+
+
+def task_batch(method, t) -> dict[str, torch.Tensor]:
+    """Every example of `t` in one batch."""
+    return collate([method.ctx.encoder.train_example(e.prompt, e.answer) for e in t.train], method.ctx.pad_id)
+
+
+def assert_same_as_seqft(run_dir: Path, seqft: Path) -> None:
+    assert metric(run_dir, "lm") == metric(seqft, "lm")  # exact, step for step
+    assert len(set(metric(seqft, "lm"))) > 1  # it trained
+    assert record(run_dir)["matrix"] == record(seqft)["matrix"]
+    ours, theirs = final_weights(run_dir), final_weights(seqft)
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+# ---- the deepspeed backend ---------------------------------------------------------
+
+LOSS_RTOL = 1e-5
+
+
+def small_buckets(tmp_path: Path) -> Path:
+    """Tiny buckets and no persistent parameters, so that on the tiny model ZeRO-2
+    reduces in several buckets and ZeRO-3 really partitions every weight."""
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps({"zero_optimization": {
+        "reduce_bucket_size": 2000, "allgather_bucket_size": 2000,
+        "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 2000}}))
+    return path
+
+
+def deepspeed_args(tmp_path: Path, zero: int) -> list[str]:
+    return ["--backend", "deepspeed", "--zero", str(zero), "--set", f"deepspeed.config={small_buckets(tmp_path)}"]
+
+
+def interrupted_ds_run(monkeypatch, *argv, at_stage: int) -> Path:
+    """interrupted_run on the deepspeed backend."""
+    from cl_bench.backends.deepspeed_backend import DeepSpeedBackend
+
+    return interrupted_run(monkeypatch, *argv, at_stage=at_stage, backend=DeepSpeedBackend)
+
+
+def log_rows(run_dir: Path) -> list[dict]:
+    return results.read_jsonl(run_dir / "metrics.jsonl")
+
+
+def assert_same_run(a: Path, b: Path, rtol: float = LOSS_RTOL, atol: float = 1e-6) -> None:
+    """Two run folders hold the same results: every logged number within the tolerance
+    (grad_norm: DeepSpeed sums its squares in fp64), the R matrix and the predictions equal."""
+    ra, rb = log_rows(a), log_rows(b)
+    assert len(ra) == len(rb) > 0
+    for x, y in zip(ra, rb):
+        assert x.keys() == y.keys()
+        for key in x.keys() - {"stage", "step", "phase"}:
+            assert y[key] == pytest.approx(x[key], rel=rtol, abs=atol), (key, x, y)
+    rec_a, rec_b = (json.loads((d / "run.json").read_text()) for d in (a, b))
+    assert rec_a["matrix"] == rec_b["matrix"]
+    preds = lambda d: [r["prediction"] for r in results.read_jsonl(d / "predictions.jsonl")]
+    assert preds(a) == preds(b)

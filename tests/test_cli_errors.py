@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import run_cli, smoke_args
+from helpers import run_cli, smoke_args
 
 
 def error_line(capsys) -> str:
@@ -59,6 +59,7 @@ def test_unwritable_output_dir(trace_dir, tmp_path, capsys):
     assert "not writable" in error_line(capsys)
 
 
+@pytest.mark.slow
 def test_existing_run_is_not_overwritten(trace_dir, tmp_path, capsys):
     out = tmp_path / "out"
     assert run_cli(*smoke_args(trace_dir, out, "--run-id", "r1")) == 0

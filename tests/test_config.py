@@ -60,10 +60,11 @@ def test_method_args_are_typed_by_the_method():
         seqft.parse_args({"alpha": 1})
 
 
+@pytest.mark.slow
 def test_cli_profile_flag_beats_the_file_and_the_file_beats_the_default(trace_dir, tmp_path):
     import json
 
-    from conftest import only_run, run_cli
+    from helpers import only_run, run_cli
 
     f = tmp_path / "c.yaml"
     f.write_text(f"profile: smoke\ndata:\n  data_dir: {trace_dir}\n  order: [Py150]\n")
@@ -74,10 +75,11 @@ def test_cli_profile_flag_beats_the_file_and_the_file_beats_the_default(trace_di
     assert record["config"]["data"]["data_dir"] == str(trace_dir)
 
 
+@pytest.mark.slow
 def test_profile_flag_beats_the_files_profile(trace_dir, tmp_path):
     import json
 
-    from conftest import only_run, run_cli
+    from helpers import only_run, run_cli
 
     f = tmp_path / "c.yaml"
     f.write_text(f"profile: cpu\ndata:\n  data_dir: {trace_dir}\n  order: [Py150]\n")

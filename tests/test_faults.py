@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cl_bench import results
-from conftest import interrupted_run, run_cli, smoke_args
+from helpers import interrupted_run, run_cli, smoke_args
 
 
 class _Exploit:
@@ -49,6 +49,7 @@ def _tamper_empty(state_pt):
     (_tamper_truncate, "unreadable checkpoint"),
     (_tamper_empty, "unreadable checkpoint"),
 ])
+@pytest.mark.slow
 def test_resume_from_a_bad_checkpoint_fails_in_one_line_and_runs_nothing(trace_dir, tmp_path, monkeypatch,
                                                                           capsys, tamper, message):
     run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, tmp_path / "runs"), at_stage=1)
@@ -287,6 +288,7 @@ def _strict_jsonl(path):
 
 @pytest.mark.parametrize("patch, extra, saved, done, message, status", [c[1:] for c in FAILED],
                          ids=[c[0] for c in FAILED])
+@pytest.mark.slow
 def test_a_failing_stage_is_recorded_and_keeps_the_last_checkpoint(trace_dir, tmp_path, monkeypatch, capsys,
                                                                     patch, extra, saved, done, message, status):
     out = tmp_path / "runs"
@@ -325,6 +327,7 @@ def test_a_failing_stage_is_recorded_and_keeps_the_last_checkpoint(trace_dir, tm
     (0, "interrupted before the first stage was saved; nothing to keep; start it again with: cl-bench run --resume"),
     (1, "interrupted; 1 of 3 stages are saved; continue with: cl-bench run --resume"),
 ])
+@pytest.mark.slow
 def test_interrupt_message_is_true_and_resume_finishes(trace_dir, tmp_path, monkeypatch, capsys, at_stage, message):
     capsys.readouterr()
     run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, tmp_path / "runs"), at_stage=at_stage)

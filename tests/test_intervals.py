@@ -11,7 +11,7 @@ from cl_bench.compare import compare, differences, format_comparison
 from cl_bench.intervals import ItemTable, replicates, run_intervals
 from cl_bench.metrics.cl import summarise
 from cl_bench.record import RunRecord
-from conftest import run_cli
+from helpers import run_cli
 
 TASKS = ["NumGLUE-cm", "C-STANCE"]
 

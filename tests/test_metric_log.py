@@ -48,7 +48,6 @@ def test_missing_library_names_the_extra(tmp_path, monkeypatch, kind, modules):
 
 
 def test_tensorboard_event_file_reads_back(tmp_path):
-    pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     log_all(make_logger("tensorboard", tmp_path, {"seed": 1}, is_main=True))
@@ -86,8 +85,8 @@ def wandb_records(path: Path) -> list:
     return records
 
 
+@pytest.mark.slow
 def test_wandb_offline_writes_its_run_directory(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_MODE", raising=False)  # offline is the default
     run_dir = tmp_path / "run-1"
     log_all(make_logger("wandb", run_dir, {"seed": 1234, "method": "seqft"}, is_main=True))

@@ -11,7 +11,7 @@ import torch
 from cl_bench import precision, registry, results
 from cl_bench.config import build, resolve
 from cl_bench.profiles import PROFILES
-from conftest import only_run, run_cli, smoke_args
+from helpers import only_run, run_cli, smoke_args
 
 
 def test_auto_precision_follows_the_device():
@@ -20,6 +20,7 @@ def test_auto_precision_follows_the_device():
     assert precision.resolve("auto", cpu) == ("bf16" if precision.native_bf16(cpu) else "fp32")
 
 
+@pytest.mark.slow
 def test_bf16_training_stays_near_fp32(trace_dir, tmp_path):
     """bf16 autocast changes the losses (it is engaged) by less than 2% a step on the
     tiny model over 8 steps, and the record says which precision ran."""
@@ -56,6 +57,7 @@ def test_cpu_profile_sets_every_family_and_the_zero_shot_row():
     assert set(PROFILES["cpu"]["data"]["n_test_per_task"]) <= set(cpu.data.n_test_per_task)
 
 
+@pytest.mark.slow
 def test_zero_shot_row_next_task_scores_sizes_majority_and_intervals(trace_dir, tmp_path, capsys):
     out = tmp_path / "runs"
     assert run_cli(*smoke_args(trace_dir, out, "--set", "eval.zero_shot=true", "--set", "eval.next_task=true",

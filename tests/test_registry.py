@@ -41,6 +41,7 @@ def test_unknown_method_suggests_and_lists():
         registry.get("seqtf")
 
 
+@pytest.mark.slow
 def test_get_imports_only_the_chosen_builtin():
     code = ("import sys; from cl_bench import registry; registry.get('seqft'); "
             "print(sorted(m for m in sys.modules if m.startswith('cl_bench.methods.')))")
@@ -74,6 +75,7 @@ class Frozen(Method):
 """
 
 
+@pytest.mark.slow
 def test_outside_plugin_is_found_and_runs(tmp_path, trace_dir):
     (tmp_path / "site").mkdir()
     env = _plugin_dist(tmp_path / "site", "clb_outside", OUTSIDE, "head-only = clb_outside:Frozen")
@@ -89,6 +91,7 @@ def test_outside_plugin_is_found_and_runs(tmp_path, trace_dir):
     assert 0 < params["trainable"] < params["total"]
 
 
+@pytest.mark.slow
 def test_broken_plugin_never_breaks_list(tmp_path):
     (tmp_path / "site").mkdir()
     env = _plugin_dist(tmp_path / "site", "clb_broken", "raise ImportError('needs libfoo')",
@@ -103,6 +106,7 @@ def test_broken_plugin_never_breaks_list(tmp_path):
     assert "Traceback" not in chosen.stderr
 
 
+@pytest.mark.slow
 def test_list_verbose_shows_typed_arguments():
     out = subprocess.run([*CLI, "list", "--verbose"], capture_output=True, text=True, check=True)
     assert "lr: float = 1e-05" in out.stdout

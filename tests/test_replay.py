@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 
 from cl_bench import results
 from cl_bench.benchmarks.trace import load_task
 from cl_bench.config import ReplayConfig
 from cl_bench.replay import ReplayBuffer
-from conftest import interrupted_run, make_trace, run_cli, smoke_args
+from helpers import interrupted_run, make_trace, run_cli, smoke_args
 
 
 def record_of(out):
@@ -46,6 +47,7 @@ def test_buffer_round_trips_through_state_dict(tmp_path):
     assert back.examples() == buf.examples() and back.per_task == {"Py150": 3, "20Minuten": 3}
 
 
+@pytest.mark.slow
 def test_interleave_adds_one_replay_micro_batch_per_step_after_task_0(trace_dir, tmp_path):
     out = tmp_path / "runs"
     assert run_cli(*smoke_args(trace_dir, out, "--method", "replay")) == 0
@@ -58,6 +60,7 @@ def test_interleave_adds_one_replay_micro_batch_per_step_after_task_0(trace_dir,
     assert record["replay"]["used"] == 2 * 2 * 2
 
 
+@pytest.mark.slow
 def test_methods_that_do_not_replay_use_nothing_but_see_the_same_buffer(trace_dir, tmp_path):
     out = tmp_path / "runs"
     assert run_cli(*smoke_args(trace_dir, out)) == 0
@@ -66,6 +69,7 @@ def test_methods_that_do_not_replay_use_nothing_but_see_the_same_buffer(trace_di
     assert not any("replay_lm" in s for s in results.read_jsonl(run_dir / "metrics.jsonl"))
 
 
+@pytest.mark.slow
 def test_epoch_policy_adds_one_epoch_over_past_tasks(trace_dir, tmp_path):
     out = tmp_path / "runs"
     assert run_cli(*smoke_args(trace_dir, out, "--method", "replay", "--set", "replay.per_task=4",
@@ -77,6 +81,7 @@ def test_epoch_policy_adds_one_epoch_over_past_tasks(trace_dir, tmp_path):
     assert record["replay"]["used"] == 4 + 8
 
 
+@pytest.mark.slow
 def test_lima_is_opt_in(tmp_path):
     root = make_trace(tmp_path / "t", tasks=["NumGLUE-cm", "Py150", "20Minuten", "Lima"])
     out = tmp_path / "runs"
@@ -86,6 +91,7 @@ def test_lima_is_opt_in(tmp_path):
     assert all("replay_lm" in s for s in results.read_jsonl(run_dir / "metrics.jsonl"))
 
 
+@pytest.mark.slow
 def test_buffer_survives_resume(trace_dir, tmp_path, monkeypatch):
     straight = tmp_path / "straight"
     assert run_cli(*smoke_args(trace_dir, straight, "--method", "replay")) == 0

@@ -6,7 +6,9 @@ import json
 import pytest
 
 from cl_bench import results
-from conftest import SMOKE_TASKS, interrupted_run, only_run, run_cli, smoke_args
+from helpers import SMOKE_TASKS, interrupted_run, only_run, run_cli, smoke_args
+
+pytestmark = pytest.mark.slow  # every test here is an end-to-end run
 
 REQUIRED = ["schema_version", "method", "method_args", "model", "tasks", "matrix", "summary",
             "params", "config", "seed", "timing", "versions", "git_commit"]

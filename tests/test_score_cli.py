@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import run_cli, smoke_args
+from helpers import run_cli, smoke_args
 
 
 def write(path, rows):
@@ -32,6 +32,7 @@ def test_score_errors(tmp_path, capsys):
     assert "NumGLUE-ds" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_rescoring_a_runs_predictions_matches_its_matrix(trace_dir, tmp_path, capsys):
     out = tmp_path / "runs"
     assert run_cli(*smoke_args(trace_dir, out)) == 0

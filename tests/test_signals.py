@@ -24,8 +24,7 @@ from pathlib import Path
 import pytest
 
 from cl_bench import results, signals
-from conftest import make_trace, only_run, run_cli, smoke_args
-from test_deepspeed import assert_same_run, deepspeed_args
+from helpers import assert_same_run, deepspeed_args, make_trace, only_run, run_cli, smoke_args
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG = ["--set", "train.epochs=20"]  # stages of a few seconds, so a signal lands inside one
@@ -76,6 +75,7 @@ def _signal_in_stage_2(proc: subprocess.Popen, run_dir: Path, sig: int) -> tuple
     return proc.returncode, out
 
 
+@pytest.mark.slow
 def test_sigterm_records_interrupted_and_resume_finishes(trace_dir, tmp_path):
     run_dir = tmp_path / "runs" / "r"
     code, out = _signal_in_stage_2(_start(smoke_args(trace_dir, tmp_path / "runs", "--run-id", "r", *LONG)),
@@ -121,6 +121,7 @@ print(json.dumps({"done": (d / "done").exists(), "alive": signals._group_alive(p
 """
 
 
+@pytest.mark.slow
 def test_the_launchers_group_gets_the_signal_and_is_waited_for(tmp_path):
     for name, text in (("launcher.py", FAKE_LAUNCHER), ("rank.py", FAKE_RANK), ("driver.py", DRIVER)):
         (tmp_path / name).write_text(textwrap.dedent(text))
@@ -146,6 +147,7 @@ def _processes_naming(text: str) -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_sigterm_to_a_deepspeed_launch_stops_every_rank_with_one_record(tmp_path):
     trace = make_trace(tmp_path / "trace")
     out = tmp_path / "ds-runs"

@@ -42,7 +42,7 @@ from torch import nn
 
 from cl_bench.analysis.cka import linear_cka
 from cl_bench.errors import UserError
-from cl_bench.method import Method, Stage, lm_loss
+from cl_bench.method import Method, MethodContext, Stage, lm_loss
 from cl_bench.models.balancing import balancing_losses
 from cl_bench.models.expert_init import slice_experts
 from cl_bench.models.modes import device_of
@@ -84,7 +84,6 @@ class BilevelCKA(Method):
         self._active: dict[int, list[int]] = {}  # candidate layer -> expert index per slot
         self._task: _Task | None = None
         self._record: dict[str, Any] | None = None  # this stage's per-task record
-        self._optimizer: torch.optim.Optimizer | None = None
 
     def setup(self, model: nn.Module) -> None:
         self.model = model
@@ -104,7 +103,7 @@ class BilevelCKA(Method):
         stages = super().plan(tasks)
         if self.args.mask == "on":
             for stage in stages[1:]:
-                n_steps = self.stage_steps(stage)
+                n_steps = self.ctx.stage_steps(stage)
                 if n_steps is not None and not mask_schedule(n_steps, self.args)[1]:
                     raise no_update_error(stage, n_steps, self.args)
         return stages
@@ -116,13 +115,13 @@ class BilevelCKA(Method):
             grow_groups(self.model, 1, slice_experts, a.router_std)
             train_newest_group(self.model, a.train_shared)
             return
-        n_steps = self.stage_steps(stage)
+        n_steps = self.ctx.stage_steps(stage)
         every, updates, decay = mask_schedule(n_steps, a)
         if a.mask == "on" and updates == 0:
             raise no_update_error(stage, n_steps, a)
         blocks = decoder_layers(self.model)
         train_newest_group(self.model, a.train_shared, newest=False)  # only the clones (and s) train
-        seed = self.ctx.config.seed if self.ctx is not None else 0
+        seed = 0 if self.ctx.shapes_only else self.ctx.config.seed
         generator = torch.Generator().manual_seed(
             random.Random(f"{seed}/bilevel-cka/{stage.index}").getrandbits(63))
         rows = torch.Generator().manual_seed(  # the clones' router rows: their own stream
@@ -147,10 +146,6 @@ class BilevelCKA(Method):
             optimizer = torch.optim.Adam([logits], lr=mask_lr)
         self._task = _Task(nets, snapshot, generator, n_steps, every, decay, logits, optimizer, a.tau0,
                            mask_lr, init_gap)
-
-    def optimizer_for_stage(self, stage, previous):
-        self._optimizer = super().optimizer_for_stage(stage, previous)
-        return self._optimizer
 
     # ---- losses ----------------------------------------------------------------------
     def _masks(self, step: int) -> torch.Tensor:
@@ -209,8 +204,7 @@ class BilevelCKA(Method):
 
     def _finalise(self, expand: torch.Tensor) -> None:
         """Expand where `expand` (L_c, K) is true, Recycle elsewhere; keep the stage's record."""
-        self._record = finalise(self.model, self._task, expand, self._active, self._features, self.args,
-                                self._optimizer)
+        self._record = finalise(self.model, self._task, expand, self._active, self._features, self.args)
         self._task = None
 
     # ---- records and resume ------------------------------------------------------------
@@ -244,7 +238,7 @@ class BilevelCKA(Method):
             raise UserError("give a decision map or an expert count per layer, not both")
         # mask=off: no mask logits (on the meta device they hold no values); every slot
         # expands unless `decisions` say otherwise
-        method = cls(dataclasses.replace(args, mask="off"), context=None)
+        method = cls(dataclasses.replace(args, mask="off"), MethodContext.for_shapes(n_tasks))
         method.setup(model)
         decisions, bound = decisions_for_schedule(decisions, experts_per_layer, n_tasks, len(moe_layers(model)),
                                                   len(method._candidates), args.experts_per_task)

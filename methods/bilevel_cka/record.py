@@ -38,8 +38,7 @@ if TYPE_CHECKING:
 
 
 def finalise(model: nn.Module, task: _Task, expand: torch.Tensor, active: dict[int, list[int]],
-             features: LayerFeatures, args: BilevelCKAArgs,
-             optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+             features: LayerFeatures, args: BilevelCKAArgs) -> dict[str, Any]:
     """Expand the clones where `expand` (L_c, K) is true, drop the others (each
     candidate layer gets its MoE layer back), update `active` (candidate layer ->
     expert index per slot) and return this stage's record (module docstring)."""
@@ -68,8 +67,6 @@ def finalise(model: nn.Module, task: _Task, expand: torch.Tensor, active: dict[i
                 active[i][slot] = first + j
             added += len(chosen)
         blocks[i].mlp = layer
-    if optimizer is not None:
-        _drop_removed(optimizer, model)  # its checkpoint names every parameter it holds
     deploy = None
     if check:
         deployed_loss = mean_loss(model, check)
@@ -154,16 +151,6 @@ def _check_decisions(decisions: list, n_tasks: int, n_cand: int, K: int) -> list
         if not ok:
             raise UserError(f"decision map, task {t}: expected {n_cand} candidate layers x {K} slots of 0/1")
     return decisions
-
-
-def _drop_removed(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    """Remove from `optimizer` (and its state) the parameters no longer in `model`:
-    the clones, dropped or copied into new expert groups at finalisation."""
-    live = {id(p) for p in model.parameters()}
-    for group in optimizer.param_groups:
-        group["params"] = [p for p in group["params"] if id(p) in live]
-    for p in [p for p in optimizer.state if id(p) not in live]:
-        del optimizer.state[p]
 
 
 def _mean_rows(rows: list[list[float]]) -> list[float] | None:

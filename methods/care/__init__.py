@@ -112,10 +112,10 @@ class CaRE(Method):
             self._shared_task0 = self._shared_start
         self._anchor = ([p.detach().clone() for p in self._shared_params()]
                         if t >= 1 and self.args.anchor > 0 else None)
-        self._n_steps = self.stage_steps(stage)
+        self._n_steps = self.ctx.stage_steps(stage)
         self._record, self._perceiver_ce = {}, {}
         self._labels, self._centroids = {}, None
-        if self.ctx is not None and stage.tasks:
+        if not self.ctx.shapes_only and stage.tasks:
             self._cluster(stage)
 
     def _set_trainable(self) -> None:
@@ -240,7 +240,7 @@ class CaRE(Method):
         self._record["shared_drift_since_task0"] = (None if self._shared_task0 is None
                                                     else _round(_relative(now, self._shared_task0)))
         self._record.update(uniformity(self._perceiver_ce, self.args.pseudo_classes, stage))
-        if self.ctx is not None and self.args.diag_examples > 0:
+        if not self.ctx.shapes_only and self.args.diag_examples > 0:
             self._record.update(self.diagnostics(self.ctx.all_tasks[:stage.index + 1]))
 
     def diagnostics(self, tasks: list) -> dict[str, Any]:

@@ -68,7 +68,6 @@ class ClusterUpcycle(Method):
         self._ema_pairs: list[tuple[torch.Tensor, nn.Parameter]] = []
         self._record: dict[str, Any] | None = None  # this stage's "cluster_init"
         self._probe: dict[str, Any] | None = None  # calibration rows and stats holders, until after_task
-        self._placeholders = False  # param_schedule: shapes only, no data
 
     def setup(self, model: nn.Module) -> None:
         self.model = model  # dense until task 0: experts need the task's prompts
@@ -77,7 +76,7 @@ class ClusterUpcycle(Method):
     # ---- task start ----------------------------------------------------------------
     def before_task(self, stage: Stage) -> None:
         if self._n_groups() <= stage.index:  # a resumed run already holds its groups
-            if self._placeholders:
+            if self.ctx.shapes_only:  # `cl-bench params`: no data to cluster
                 self._add_placeholder_group()
             else:
                 self._add_cluster_group(stage)
@@ -207,16 +206,3 @@ class ClusterUpcycle(Method):
         if self._record is not None:
             report["cluster_init"] = self._record
         return report
-
-    @classmethod
-    def param_schedule(cls, model: nn.Module, n_tasks: int, args: ClusterUpcycleArgs) -> list[dict[str, Any]]:
-        """Shapes only: each stage adds a group of K experts (placeholder slices: the
-        fitted ones need the task's data) and the EMA copy of what trains."""
-        method = cls(args, context=None)
-        method._placeholders = True
-        method.setup(model)
-        rows = []
-        for t in range(n_tasks):
-            method.before_task(Stage(t, [], f"task {t}"))
-            rows.append({"stage": t, **method.param_report()})
-        return rows

@@ -74,7 +74,7 @@ class SAME(Method):
     # ---- setup ---------------------------------------------------------------------------
     def setup(self, model: nn.Module) -> None:
         a = self.args
-        n_tasks = len(self.ctx.all_tasks) if self.ctx is not None else None
+        n_tasks = None if self.ctx.shapes_only else len(self.ctx.all_tasks)
         self.n_experts = a.n_experts or n_tasks
         if self.n_experts is None:
             raise UserError("same: the number of experts is unknown without a run; set method_args.n_experts")
@@ -139,7 +139,7 @@ class SAME(Method):
                 lin.importance_ref.copy_(lin.importance)
             # previous: importance_ref holds max over the earlier tasks' F (after_task)
         n_layers, device = len(self.linears), device_of(self.model)
-        n_steps = self.stage_steps(stage)
+        n_steps = self.ctx.stage_steps(stage)
         warmup, every = activation_schedule(n_steps, self.args)
         curvature = self._previous if (t > 0 and self.args.curvature_scaling) else []
         self._task = Task(

@@ -29,7 +29,7 @@ class Task:
     curvature: list[dict[str, Subspace | None]]  # per layer, C^{t-1}'s subspaces (x, h); [] at task 0
     bases: list[dict[str, Subspace | None]]  # per layer, the router subspaces of the last refresh
     ranks: list[dict[str, list[int]]]  # per layer, k at each refresh
-    n_steps: int | None = None  # the task's optimiser steps (Method.stage_steps; None: unknown)
+    n_steps: int | None = None  # the task's optimiser steps (MethodContext.stage_steps; None: unknown)
     warmup: int = 0  # freeze warm-up used (activation_schedule)
     refresh_every: int = 1  # refresh interval used (activation_schedule)
     steps: int = 0

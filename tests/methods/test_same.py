@@ -17,15 +17,15 @@ import pytest
 import torch
 
 from cl_bench import registry, results
-from cl_bench.config import TrainConfig
+from cl_bench.config import RunConfig, TrainConfig
 from cl_bench.errors import UserError
 from cl_bench.generation import greedy_generate
-from cl_bench.method import Stage
+from cl_bench.method import MethodContext, Stage
 from cl_bench.methods.same import SAMEArgs, activation_schedule, activation_scores
 from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import schedule_report
 from cl_bench.methods.same.subspace import Subspace, damped_inverse, energy_rank, spectral_projection, top_subspace
-from conftest import interrupted_run, only_run, run_cli, smoke_args
+from helpers import interrupted_run, only_run, run_cli, smoke_args
 
 E = 3
 SIZE = 2 * (3 * E * 8 * (64 + 128) + E * (64 + 64 + 128))  # 29184
@@ -35,7 +35,7 @@ def make(context=None, **args):
     """SAME set up on the tiny Llama, with its experts and routers moved off their
     init (a trained look: B != 0, so experts and routing matter)."""
     cls = registry.get("same")
-    method = cls(cls.parse_args({"n_experts": E, **args}), context=context)
+    method = cls(cls.parse_args({"n_experts": E, **args}), context=context or MethodContext.for_shapes(E))
     model, _, _ = tiny_llama(0)
     torch.manual_seed(0)
     method.setup(model)
@@ -89,7 +89,7 @@ def weights(method):
 
 def test_wraps_every_ffn_linear_and_starts_as_the_dense_model():
     cls = registry.get("same")
-    method = cls(cls.parse_args({"n_experts": E}), context=None)
+    method = cls(cls.parse_args({"n_experts": E}), context=MethodContext.for_shapes(3))
     model, _, _ = tiny_llama(0)
     dense, _, _ = tiny_llama(0)
     method.setup(model)
@@ -105,10 +105,8 @@ def test_wraps_every_ffn_linear_and_starts_as_the_dense_model():
 
 
 def test_one_expert_per_task_is_required():
-    from types import SimpleNamespace
-
     cls = registry.get("same")
-    context = SimpleNamespace(all_tasks=[object()] * 4)
+    context = MethodContext(RunConfig(), torch.device("cpu"), None, all_tasks=[object()] * 4)
     with pytest.raises(UserError, match="4 tasks but method_args.n_experts=3"):
         cls(cls.parse_args({"n_experts": 3}), context).setup(tiny_llama(0)[0])
     method = cls(cls.parse_args({}), context)  # E = T by default
@@ -434,12 +432,13 @@ def test_a_short_task_fits_the_warm_up_and_refreshes_to_its_length():
         SAMEArgs(warmup_share=1.5)
 
     tasks = [SimpleNamespace(name=f"t{i}", train=[None] * 16) for i in range(E)]
-    context = SimpleNamespace(all_tasks=tasks, config=SimpleNamespace(train=TrainConfig(batch_size=2)))
+    context = MethodContext(RunConfig(train=TrainConfig(batch_size=2, micro_batch_size=2)), torch.device("cpu"),
+                            None, all_tasks=tasks)
     method, _ = make(context)  # freeze_warmup 50, refresh_every 20: the defaults
     optimizer = None
     for t in range(2):
         stage = Stage(t, [tasks[t]], f"t{t}")
-        assert method.stage_steps(stage) == 8
+        assert method.ctx.stage_steps(stage) == 8
         ref = {(l, p): lin.importance_ref.clone() for l, p, lin in method._wrappers()}
         method.before_task(stage)
         optimizer = method.optimizer_for_stage(stage, optimizer)
@@ -560,6 +559,7 @@ def flat_params(record: dict) -> list[dict]:
 
 # ---- end to end ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_smoke_run_and_resume(trace_dir, tmp_path, monkeypatch):
     extra = ("--method", "same", "--method-arg", "freeze_warmup=1")
     straight = tmp_path / "straight"

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from cl_bench import registry, results
-from cl_bench.method import Stage
+from cl_bench.method import MethodContext, Stage, trainable_groups
 from cl_bench.models import moe
 from cl_bench.models.loading import tiny_llama
-from conftest import interrupted_run, only_run, run_cli, smoke_args
+from helpers import interrupted_run, only_run, run_cli, smoke_args
 
 
 def _step(model):
@@ -29,7 +30,7 @@ def _snapshot(model):
 
 def test_branch_then_mix_train_what_they_should():
     cls = registry.get("btx")
-    method = cls(cls.parse_args({}), context=None)
+    method = cls(cls.parse_args({}), context=MethodContext.for_shapes(3))
     model, _, _ = tiny_llama(0)
     method.setup(model)
     for t in range(2):
@@ -57,7 +58,7 @@ def test_branch_then_mix_train_what_they_should():
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         assert trainable == {f"model.layers.{i}.mlp.groups.{g}.{p}" for i in range(2) for g in range(t + 1)
                              for p in ("router_weight", "router_bias")}
-        assert method.make_optimizer(method.param_groups()).param_groups[0]["lr"] == method.args.router_lr
+        assert method.make_optimizer(trainable_groups(method.model)).param_groups[0]["lr"] == method.args.router_lr
 
 
 def test_params_schedule_grows_by_one_group_per_task():
@@ -68,6 +69,7 @@ def test_params_schedule_grows_by_one_group_per_task():
     assert rows[-1]["trainable"] == 2 * 24 * 65  # the mix phase: every router row and bias
 
 
+@pytest.mark.slow
 def test_smoke_run_and_resume(trace_dir, tmp_path, monkeypatch):
     straight = tmp_path / "straight"
     assert run_cli(*smoke_args(trace_dir, straight, "--method", "btx")) == 0

@@ -21,11 +21,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from cl_bench import results
-from conftest import make_trace, only_run, run_cli, smoke_args
-from test_deepspeed import assert_same_run, deepspeed_args, interrupted_ds_run, small_buckets
+from helpers import (assert_same_run, deepspeed_args, interrupted_ds_run, make_trace, only_run, run_cli, smoke_args,
+                     small_buckets)
+
+pytestmark = pytest.mark.slow  # two-rank launches, about a minute each
 
 # replay: 2 micro-batches and a replay one per step, so one rank also runs a padding copy
 RUNS = [(method, zero) for method in ("seqft", "lora", "upcycle") for zero in (2, 3)] + [("replay", 2)]
@@ -57,7 +60,7 @@ def _ranks_main(out: Path) -> int:
 
 
 def _launch_env() -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent),
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1]),  # tests/: helpers
            "CL_BENCH_DIST_TIMEOUT_MIN": "3"}  # a hung collective fails the test instead of the CI run
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)  # this process is not a rank

@@ -25,7 +25,7 @@ from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import schedule_report
 from cl_bench.models.prompt_pool import (DECODE, POOL, PromptPool, first_tokens, masked_mean, prompt_mask,
                                          prompt_tokens)
-from conftest import interrupted_run, only_run, run_cli, smoke_args
+from helpers import interrupted_run, only_run, run_cli, smoke_args
 
 D, G = 64, 8
 
@@ -561,6 +561,7 @@ def flat_params(record: dict) -> list[dict]:
 
 # ---- end to end ---------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_smoke_run_and_resume(trace_dir, tmp_path, monkeypatch):
     straight = tmp_path / "straight"
     assert run_cli(*smoke_args(trace_dir, straight, "--method", "care")) == 0

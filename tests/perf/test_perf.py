@@ -1,9 +1,10 @@
-"""`cl-bench perf` takes the method it times from --method (cl_bench/perf/)."""
+"""`cl-bench perf` (cl_bench/perf/): the harness times the method given by --method;
+`upcycle-gap` measures the loss each upcycling variant adds."""
 from __future__ import annotations
 
 import json
 
-from conftest import run_cli
+from helpers import run_cli
 
 
 def _harness(trace_dir, tmp_path, *extra) -> dict:
@@ -25,3 +26,14 @@ def test_an_unknown_method_fails_in_one_line(trace_dir, tmp_path, capsys):
     assert run_cli("perf", "harness", "--model", "tiny-llama", "--method", "LoRA", "--data-dir", trace_dir) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "lora" in err
+
+
+def test_upcycle_gap_command_measures_the_loss_each_variant_adds(trace_dir, tmp_path):
+    out = tmp_path / "gap.json"
+    assert run_cli("perf", "upcycle-gap", "--model", "tiny-llama", "--task", "NumGLUE-cm,Py150",
+                   "--n", "4", "--data-dir", str(trace_dir), "--output", str(out)) == 0
+    gap = json.loads(out.read_text())
+    assert gap["tasks"] == ["NumGLUE-cm", "Py150"] and gap["command"].startswith("cl-bench perf")
+    swap, paper = gap["change_pct"]["swap"], gap["change_pct"]["add s=1 (paper code)"]
+    assert all(abs(v) < 1e-3 for v in swap.values()) and gap["within_2pct"]["swap"]
+    assert all(abs(v) > 1e-3 for v in paper.values())

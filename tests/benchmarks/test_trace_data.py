@@ -31,7 +31,7 @@ from cl_bench.errors import UserError
 # The real release, found as the CLI finds it: $CL_BENCH_DATA (pytest --data-dir sets it,
 # tests/conftest.py), else ../shared/trace/LLM-CL-Benchmark_500 beside the repository.
 REAL_DATA = Path(os.environ.get("CL_BENCH_DATA")
-                 or Path(__file__).parents[1] / ".." / "shared" / "trace" / "LLM-CL-Benchmark_500")
+                 or Path(__file__).parents[2] / ".." / "shared" / "trace" / "LLM-CL-Benchmark_500")
 if os.environ.get("CI") == "true" and not REAL_DATA.is_dir():
     raise RuntimeError(f"CI=true but the TRACE data is missing at {REAL_DATA}: its tests would be skipped; "
                        f"set CL_BENCH_DATA or pass --data-dir")
@@ -371,6 +371,7 @@ REAL_SIZES = {task: (500, 100, 100) for task in CL_TASKS}
 REAL_SIZES.update({"MeetingBank": (100, 100, 100), "NumGLUE-cm": (500, 41, 81), "Lima": (1030, 300, 300)})
 
 
+@pytest.mark.slow
 @real
 @pytest.mark.parametrize("task", list(TASKS))
 def test_real_task_loads(task):
@@ -380,6 +381,7 @@ def test_real_task_loads(task):
     assert len(data.train) == min(50, sizes[0]) and len(data.test) == 20
 
 
+@pytest.mark.slow
 @real
 def test_real_meetingbank_train_is_eval_copy():
     folder = REAL_DATA / "MeetingBank"
@@ -396,6 +398,7 @@ def scored_span(task, answer):
     return answer[:1] if TASKS[task].metric == "first_char_accuracy" else answer
 
 
+@pytest.mark.slow
 @real
 @pytest.mark.parametrize("task", list(CL_TASKS))
 def test_real_budget_covers_answers(task):

@@ -18,50 +18,10 @@ import torch
 
 from cl_bench import results
 from cl_bench.errors import UserError
-from conftest import interrupted_run, only_run, run_cli, smoke_args
+from helpers import (assert_same_run, deepspeed_args, interrupted_ds_run, log_rows, only_run, run_cli, small_buckets,
+                     smoke_args)
 
-ROOT = Path(__file__).resolve().parents[1]
-LOSS_RTOL = 1e-5
-
-
-def small_buckets(tmp_path: Path) -> Path:
-    """Tiny buckets and no persistent parameters, so that on the tiny model ZeRO-2
-    reduces in several buckets and ZeRO-3 really partitions every weight."""
-    path = tmp_path / "small.json"
-    path.write_text(json.dumps({"zero_optimization": {
-        "reduce_bucket_size": 2000, "allgather_bucket_size": 2000,
-        "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 2000}}))
-    return path
-
-
-def deepspeed_args(tmp_path: Path, zero: int) -> list[str]:
-    return ["--backend", "deepspeed", "--zero", str(zero), "--set", f"deepspeed.config={small_buckets(tmp_path)}"]
-
-
-def interrupted_ds_run(monkeypatch, *argv, at_stage: int) -> Path:
-    """conftest.interrupted_run on the deepspeed backend."""
-    from cl_bench.backends.deepspeed_backend import DeepSpeedBackend
-
-    return interrupted_run(monkeypatch, *argv, at_stage=at_stage, backend=DeepSpeedBackend)
-
-
-def log_rows(run_dir: Path) -> list[dict]:
-    return results.read_jsonl(run_dir / "metrics.jsonl")
-
-
-def assert_same_run(a: Path, b: Path, rtol: float = LOSS_RTOL, atol: float = 1e-6) -> None:
-    """Two run folders hold the same results: every logged number within the tolerance
-    (grad_norm: DeepSpeed sums its squares in fp64), the R matrix and the predictions equal."""
-    ra, rb = log_rows(a), log_rows(b)
-    assert len(ra) == len(rb) > 0
-    for x, y in zip(ra, rb):
-        assert x.keys() == y.keys()
-        for key in x.keys() - {"stage", "step", "phase"}:
-            assert y[key] == pytest.approx(x[key], rel=rtol, abs=atol), (key, x, y)
-    rec_a, rec_b = (json.loads((d / "run.json").read_text()) for d in (a, b))
-    assert rec_a["matrix"] == rec_b["matrix"]
-    preds = lambda d: [r["prediction"] for r in results.read_jsonl(d / "predictions.jsonl")]
-    assert preds(a) == preds(b)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---- no engine needed ---------------------------------------------------------------------
@@ -143,6 +103,7 @@ def test_launch_arguments(trace_dir, tmp_path, capsys, monkeypatch):
     assert "inside a launch of 3 ranks" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_torch_run_never_imports_deepspeed(trace_dir, tmp_path):
     code = ("import sys; from cl_bench.cli import main; "
             f"assert main({smoke_args(trace_dir, tmp_path / 'runs', '--order', 'Py150')!r}) == 0; "
@@ -151,6 +112,7 @@ def test_a_torch_run_never_imports_deepspeed(trace_dir, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_only_rank_zero_writes_logs_and_shows_progress(trace_dir, tmp_path, monkeypatch, capsys):
     """Every rank runs the sequencer; one that is not rank 0 writes no file and prints
     no log line or progress bar (a torch backend posing as rank 1 of 2)."""
@@ -176,6 +138,7 @@ def test_only_rank_zero_writes_logs_and_shows_progress(trace_dir, tmp_path, monk
 
 # ---- one rank, one engine per phase ---------------------------------------------------------
 
+@pytest.mark.slow
 def test_one_rank_zero2_matches_the_torch_backend(trace_dir, tmp_path, monkeypatch):
     """SeqFT on the smoke profile: the same loss trajectory (rel 1e-5), grad norms,
     matrix and predictions as the torch backend, with the Adam moments carried from
@@ -196,6 +159,7 @@ def test_one_rank_zero2_matches_the_torch_backend(trace_dir, tmp_path, monkeypat
     assert record["backend"]["deepspeed_config"]["zero_optimization"]["stage"] == 2
 
 
+@pytest.mark.slow
 def test_bf16_trains_in_bf16_and_keeps_fp32_weights_between_phases(trace_dir, tmp_path):
     """deepspeed.bf16=true (on this CPU too): the engine computes in bf16 with fp32
     master weights; between phases the model is fp32 again and holds the masters, not
@@ -231,6 +195,7 @@ def _expert_drift(model) -> list[list[float]]:
     return drift
 
 
+@pytest.mark.slow
 def test_zero3_trains_added_experts_checkpoints_and_resumes(trace_dir, tmp_path, monkeypatch):
     """Upcycling on ZeRO-3 (one rank, every weight partitioned): the expert group each
     stage adds is trained in that stage (a new engine takes it in); an interrupted run

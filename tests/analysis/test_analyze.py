@@ -118,6 +118,7 @@ def test_analyze_names_a_missing_or_unfinished_record(tmp_path):
         analyze(tmp_path)
 
 
+@pytest.mark.slow
 def test_expert_sharpness_finds_an_eigenpair_of_each_experts_hessian_block(setup):
     from cl_bench.data import collate
     from cl_bench.models.moe import upcycle_model
@@ -157,9 +158,10 @@ def test_lanczos_finds_the_largest_magnitude_eigenvalue_where_power_iteration_st
     assert eig == pytest.approx(-3.0, rel=1e-4) and residual < 1e-3
 
 
+@pytest.mark.slow
 def test_a_run_with_probes_records_them_survives_resume_and_analyze_draws_them(trace_dir, tmp_path,
                                                                                 monkeypatch):
-    from conftest import interrupted_run, only_run, run_cli, smoke_args
+    from helpers import interrupted_run, only_run, run_cli, smoke_args
 
     probes = ("--set", "eval.cka_probe=2", "--set", "eval.sharpness=2", "--set", "eval.sharpness_iters=3",
               "--set", "eval.sharpness_layers=[0,1]")

@@ -1,17 +1,14 @@
-"""The upcycled MoE layer on the tiny Llama (width 64, FFN 128: K = 8 slices of h = 16),
-and end-to-end runs of upcycle and drop-upcycle."""
+"""The upcycled MoE layer on the tiny Llama (width 64, FFN 128: K = 8 slices of h = 16).
+End-to-end runs of upcycle and drop-upcycle: tests/methods/test_upcycle.py."""
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 import torch
 
-from cl_bench import results
 from cl_bench.models import moe
 from cl_bench.models.loading import tiny_llama
-from conftest import interrupted_run, only_run, run_cli, smoke_args
 
 D, H, K, h = 64, 128, 8, 16
 
@@ -333,47 +330,3 @@ def test_varying_experts_per_layer_round_trip(tmp_path, layers):
     again = moe.load_upcycled(tiny_llama(6)[0], tmp_path / "m.pt")
     assert moe.group_sizes(again) == moe.group_sizes(model)
     assert torch.equal(again.eval()(ids).logits, want)
-
-
-# ---- end to end ---------------------------------------------------------------------
-
-
-
-@pytest.mark.parametrize("method", ["upcycle", "drop-upcycle"])
-def test_smoke_run_grows_8_experts_per_layer_per_task(trace_dir, tmp_path, method):
-    out = tmp_path / "runs"
-    assert run_cli(*smoke_args(trace_dir, out, "--method", method)) == 0
-    record = json.loads((only_run(out) / "run.json").read_text())
-    assert record["status"] == "complete"
-    assert [p["experts_per_layer"] for p in record["params"]] == [[8, 8], [16, 16], [24, 24]]
-    for p in record["params"]:
-        assert p["active_per_token"] < p["total"] and p["trainable"] < p["total"]
-    rows = results.read_jsonl(only_run(out) / "metrics.jsonl")
-    assert {"lm", "lb"} <= set(rows[0])
-
-
-def test_upcycle_resumes_to_the_same_run(trace_dir, tmp_path, monkeypatch):
-    straight = tmp_path / "straight"
-    assert run_cli(*smoke_args(trace_dir, straight, "--method", "upcycle")) == 0
-    expected = json.loads((only_run(straight) / "run.json").read_text())
-
-    broken = tmp_path / "broken"
-    run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, broken, "--method", "upcycle"), at_stage=2)
-    assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
-    resumed = json.loads((run_dir / "run.json").read_text())
-    assert resumed["status"] == "complete"
-    assert resumed["matrix"] == expected["matrix"]
-    assert resumed["params"] == expected["params"]
-    rows = lambda d: [(r["lm"], r["lb"]) for r in results.read_jsonl(d / "metrics.jsonl")]
-    assert rows(run_dir) == rows(only_run(straight))
-
-
-def test_upcycle_gap_command_measures_the_loss_each_variant_adds(trace_dir, tmp_path):
-    out = tmp_path / "gap.json"
-    assert run_cli("perf", "upcycle-gap", "--model", "tiny-llama", "--task", "NumGLUE-cm,Py150",
-                   "--n", "4", "--data-dir", str(trace_dir), "--output", str(out)) == 0
-    gap = json.loads(out.read_text())
-    assert gap["tasks"] == ["NumGLUE-cm", "Py150"] and gap["command"].startswith("cl-bench perf")
-    swap, paper = gap["change_pct"]["swap"], gap["change_pct"]["add s=1 (paper code)"]
-    assert all(abs(v) < 1e-3 for v in swap.values()) and gap["within_2pct"]["swap"]
-    assert all(abs(v) > 1e-3 for v in paper.values())

@@ -13,12 +13,12 @@ import torch
 from cl_bench import registry, results
 from cl_bench.config import ReplayConfig, RunConfig
 from cl_bench.errors import UserError
-from cl_bench.method import MethodContext, Stage
+from cl_bench.method import MethodContext, Stage, prune_optimizer
 from cl_bench.methods.bilevel_cka import BilevelCKAArgs, mask_schedule, reachable_mask_lr, straight_through_gumbel
 from cl_bench.models import moe
 from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import params_command
-from conftest import interrupted_run, only_run, run_cli, smoke_args
+from helpers import interrupted_run, only_run, run_cli, smoke_args
 
 D, K, h = 64, 8, 16
 PER_EXPERT = 3 * h * D + D + 1  # gate, up, down + router row and bias
@@ -28,7 +28,7 @@ def make(**args):
     """The method after task 0 on the tiny Llama, its experts and rows moved off
     their slices (a trained look), and the stage of task 1 begun."""
     cls = registry.get("bilevel-cka")
-    method = cls(cls.parse_args({"lr": 1e-2, **args}), context=None)
+    method = cls(cls.parse_args({"lr": 1e-2, **args}), context=MethodContext.for_shapes(3))
     model, _, _ = tiny_llama(0)
     method.setup(model)
     method.before_task(Stage(0, [], "task 0"))
@@ -277,6 +277,8 @@ def test_expand_adds_one_expert_and_an_aligned_row_per_decision_and_recycle_none
     # the expanded experts are now the active ones of their slots, and the next supernet clones them
     assert method._active[0] == [0, 8, 2, 3, 9, 5, 6, 7] and method._active[1] == list(range(K))
     live = {id(p) for p in model.parameters()}
+    assert not all(id(p) in live for g in optimizer.param_groups for p in g["params"])  # the clones left
+    prune_optimizer(optimizer, model)  # as the harness does after every stage
     assert all(id(p) in live for g in optimizer.param_groups for p in g["params"])  # clones pruned
     assert all(id(p) in live for p in optimizer.state)
     method.before_task(Stage(2, [], "task 2"))
@@ -356,7 +358,7 @@ def test_recycle_is_reachable_on_a_short_task():
 
     # an outer loss that pushes every slot to Recycle gets there in a task of 8 steps
     method, model = make(r_target=0.0, beta=100.0, gamma=0.0)
-    method.stage_steps = lambda stage: 8
+    method.ctx.stage_steps = lambda stage: 8
     stage = Stage(1, [], "task 1")
     method.before_task(stage)
     train(method, 8, stage)
@@ -370,7 +372,7 @@ def test_recycle_is_reachable_on_a_short_task():
 
     # no outer update at all: refused before training, naming the arguments
     refused, _ = make(min_mask_updates=0)
-    refused.stage_steps = lambda stage: 8
+    refused.ctx.stage_steps = lambda stage: 8
     tasks = [SimpleNamespace(name=f"t{i}", train=[]) for i in range(2)]
     for call in (lambda: refused.plan(tasks), lambda: refused.before_task(Stage(1, [], "task 1"))):
         with pytest.raises(UserError, match=r"mask_every=10 with method_args.min_mask_updates=0.*"
@@ -432,6 +434,7 @@ def flat_params(record: dict) -> list[dict]:
 
 # ---- end to end ---------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_smoke_run_records_decisions_and_resumes_to_the_same_run(trace_dir, tmp_path, monkeypatch):
     straight = tmp_path / "straight"
     assert run_cli(*smoke_args(trace_dir, straight, "--method", "bilevel-cka")) == 0
@@ -466,6 +469,7 @@ def test_smoke_run_records_decisions_and_resumes_to_the_same_run(trace_dir, tmp_
     assert results.read_jsonl(run_dir / "metrics.jsonl") == rows
 
 
+@pytest.mark.slow
 def test_smoke_run_with_the_mask_off_expands_everything(trace_dir, tmp_path):
     out = tmp_path / "off"
     assert run_cli(*smoke_args(trace_dir, out, "--method", "bilevel-cka", "--method-arg", "mask=off")) == 0

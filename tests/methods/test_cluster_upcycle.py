@@ -27,7 +27,7 @@ from cl_bench.methods.cluster_upcycle.whiten import energy_rank, spherical_kmean
 from cl_bench.models import moe
 from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import schedule_report
-from conftest import SMOKE_TASKS, _example, interrupted_run, only_run, run_cli, smoke_args
+from helpers import SMOKE_TASKS, interrupted_run, only_run, run_cli, smoke_args, trace_example
 
 D, K, h = 64, 8, 16
 GROUP = K * 3 * h * D + K * (D + 1)  # one group of one layer: experts + router rows and biases
@@ -38,7 +38,7 @@ GROUP = K * 3 * h * D + K * (D + 1)  # one group of one layer: experts + router 
 def make_task(name: str, n: int = 8, seed: int = 0):
     rng = random.Random(seed)
     return SimpleNamespace(name=name, train=[SimpleNamespace(prompt=e["prompt"], answer=e["answer"])
-                                             for e in (_example(name, rng) for _ in range(n))])
+                                             for e in (trace_example(name, rng) for _ in range(n))])
 
 
 class FutureTask:
@@ -536,6 +536,7 @@ def test_arguments_are_checked():
     assert cls.parse_args({"max_drift": "null"}).max_drift is None
 
 
+@pytest.mark.slow
 def test_smoke_run_and_resume(trace_dir, tmp_path, monkeypatch):
     straight = tmp_path / "straight"
     assert run_cli(*smoke_args(trace_dir, straight, "--method", "cluster-upcycle")) == 0

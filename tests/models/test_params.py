@@ -8,7 +8,7 @@ import pytest
 
 from cl_bench import registry
 from cl_bench.errors import UserError
-from cl_bench.method import Stage
+from cl_bench.method import MethodContext, Stage
 from cl_bench.models import moe
 from cl_bench.models.loading import meta_model, tiny_llama
 from cl_bench.models.params import count, format_schedule, load_decisions, params_command, schedule_report
@@ -53,7 +53,7 @@ def test_dense_methods_report_the_same_every_stage():
 
 def test_upcycle_stage_t_trains_the_new_group_and_its_router_rows_only():
     cls = registry.get("upcycle")
-    method = cls(cls.parse_args({}), context=None)
+    method = cls(cls.parse_args({}), context=MethodContext.for_shapes(3))
     model, _, _ = tiny_llama(0)
     method.setup(model)
     for t in range(3):
@@ -70,7 +70,7 @@ def test_upcycle_stage_t_trains_the_new_group_and_its_router_rows_only():
 
 def test_train_shared_also_trains_attention_but_never_the_dense_mlp():
     cls = registry.get("upcycle")
-    method = cls(cls.parse_args({"train_shared": "true"}), context=None)
+    method = cls(cls.parse_args({"train_shared": "true"}), context=MethodContext.for_shapes(3))
     model, _, _ = tiny_llama(0)
     method.setup(model)
     method.before_task(Stage(1, [], "task 1"))
@@ -124,7 +124,7 @@ def test_bilevel_cka_counts_given_decisions_and_the_papers_two_figures_disagree(
 
 
 def test_params_cli_reads_a_decision_map_or_a_run_record(tmp_path, capsys):
-    from conftest import run_cli
+    from helpers import run_cli
 
     expert = 3 * 16 * 64 + 65  # tiny model: one slice expert (3 h d) and its router row (d + 1)
     maps = [[[1, 0, 0, 0, 0, 0, 0, 1], [0] * 8],  # task 1: two Expands in layer 0

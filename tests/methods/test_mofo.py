@@ -1,0 +1,104 @@
+"""MoFO: the momentum-filtered Adam step by hand, and a CLI run."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from helpers import only_run, record, run_cli, smoke_args
+
+
+def mofo_optimizer(params, **kw):
+    from cl_bench.methods.mofo import MomentumFilteredAdam
+
+    return MomentumFilteredAdam(params, **kw)
+
+
+def fresh_params(seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(7, 13), (3, 5, 4), (11,)]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+
+
+def set_grads(params, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+def test_mofo_moves_exactly_floor_alpha_entries_of_each_matrix():
+    params = fresh_params()
+    opt = mofo_optimizer(params, lr=1e-2, alpha=0.15)
+    for step in range(3):
+        before = [p.detach().clone() for p in params]
+        set_grads(params, seed=step)
+        opt.step()
+        moved = [int((p.detach() != b).sum()) for p, b in zip(params, before)]
+        assert moved == [math.floor(0.15 * 91), math.floor(0.15 * 60), 11]
+        for p in params:  # moments updated everywhere, not only where weights moved
+            assert (opt.state[p]["exp_avg"] != 0).all() and (opt.state[p]["exp_avg_sq"] != 0).all()
+    # After one step m = (1 − β1)·g, so the moved entries are those of largest |g|.
+    params = fresh_params()
+    opt = mofo_optimizer(params, lr=1e-2, alpha=0.15)
+    before = params[0].detach().clone()
+    set_grads(params, seed=7)
+    top = params[0].grad.abs().flatten().topk(13).indices
+    opt.step()
+    moved = (params[0].detach() != before).flatten().nonzero().flatten()
+    assert sorted(moved.tolist()) == sorted(top.tolist())
+
+
+def test_mofo_ties_at_the_threshold_move_no_more_than_the_fraction():
+    params = fresh_params()
+    opt = mofo_optimizer(params, lr=1e-2, alpha=0.15)
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)  # every |m| ties
+    opt.step()
+    assert [int((p.detach() != b).sum()) for p, b in zip(params, before)] == [13, 9, 11]
+
+
+def test_mofo_with_alpha_one_is_adam_exactly():
+    ours, ref = fresh_params(), fresh_params()
+    opt = mofo_optimizer(ours, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, alpha=1.0)
+    adam = torch.optim.Adam(ref, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, foreach=False)
+    for step in range(5):
+        set_grads(ours, step)
+        set_grads(ref, step)
+        opt.step()
+        adam.step()
+        for a, b in zip(ours, ref):
+            assert torch.equal(a, b)
+            assert torch.equal(opt.state[a]["exp_avg_sq"], adam.state[b]["exp_avg_sq"])
+    assert not torch.equal(ours[0], fresh_params()[0])
+
+
+def test_mofo_state_round_trips_through_state_dict(tmp_path):
+    params = fresh_params()
+    opt = mofo_optimizer(params, lr=1e-2, alpha=0.3)
+    for step in range(2):
+        set_grads(params, step)
+        opt.step()
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    restored = mofo_optimizer(twin, lr=1.0, alpha=0.9)  # hyperparameters come back too
+    restored.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=False))
+    assert restored.param_groups[0]["alpha"] == 0.3 and restored.param_groups[0]["lr"] == 1e-2
+    set_grads(params, 9)
+    set_grads(twin, 9)
+    opt.step()
+    restored.step()
+    for a, b in zip(params, twin):
+        assert torch.equal(a, b)
+        assert restored.state[b]["step"] == 3
+
+
+@pytest.mark.slow
+def test_mofo_runs_end_to_end(trace_dir, tmp_path):
+    out = tmp_path / "runs"
+    assert run_cli(*smoke_args(trace_dir, out, "--method", "mofo")) == 0
+    rec = record(only_run(out))
+    assert rec["status"] == "complete"
+    assert rec["method_args"]["alpha"] == 0.15 and rec["method_args"]["beta2"] == 0.999
+    assert all(v is not None for b, row in enumerate(rec["matrix"]) for v in row[:b + 1])
