@@ -145,7 +145,7 @@ def test_ewc_runs_and_resumes_to_the_same_matrix(trace_dir, tmp_path, monkeypatc
     assert run_cli(*smoke_args(trace_dir, straight, "--method", "ewc")) == 0
     expected_dir = only_run(straight)
     expected = record(expected_dir)
-    assert expected["status"] == "complete" and expected["method_args"]["lambda_ewc"] == 1e6
+    assert expected["status"] == "complete" and expected["method_args"]["lambda_ewc"] == 1e4
     assert metric(expected_dir, "ewc", 0) == [0.0, 0.0]
     for stage in (1, 2):  # each stage starts at its anchor, then moves away from it
         assert [v > 0 for v in metric(expected_dir, "ewc", stage)] == [False, True]
