@@ -109,6 +109,9 @@ def cmd_list(args) -> int:
             print(f"{'':<{width}}    backends: {_support(cls)}")
             if cls.lr_family:
                 print(f"{'':<{width}}    lr family: {cls.lr_family} (a profile's train.lr_by_family sets its lr)")
+            kind, warmup = cls.lr_schedule
+            print(f"{'':<{width}}    lr schedule: {kind}" + (f" after {warmup:.0%} warm-up" if warmup else "")
+                  + " (train.lr_schedule / train.warmup_ratio override it)")
             for arg, typ, default in cls.arg_table():
                 print(f"{'':<{width}}    {arg}: {typ} = {default!r}")
     for b in registry.broken():

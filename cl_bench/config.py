@@ -20,6 +20,7 @@ from cl_bench.errors import UserError, did_you_mean
 from cl_bench.metric_log import KINDS as LOG_KINDS
 from cl_bench.precision import CHOICES as PRECISIONS
 from cl_bench.profiles import PROFILES
+from cl_bench.schedule import SCHEDULES
 
 
 @dataclass
@@ -55,6 +56,9 @@ class TrainConfig:
     #                          (bf16 where the device has native bf16 matrix support); cl_bench/precision.py
     lr_by_family: dict[str, float] = field(default_factory=dict)  # learning rate of each method family
     #   (Method.lr_family: full, adapter, expert) where the method's lr is not given as an argument
+    lr_schedule: str | None = None  # constant | cosine, over each training phase (cl_bench/schedule.py);
+    #                                 None: the method's (Method.lr_schedule); the run's config records it
+    warmup_ratio: float | None = None  # share of a phase's steps with linear warm-up; None: the method's
 
     def epochs_for(self, task: str) -> int:
         return self.epochs_per_task.get(task, self.epochs)
@@ -152,6 +156,11 @@ class RunConfig:
         for where, value in (("train.precision", t.precision), ("eval.precision", self.eval.precision)):
             if value not in PRECISIONS:
                 raise UserError(f"{where}={value!r} must be one of {', '.join(PRECISIONS)}")
+        if t.lr_schedule is not None and t.lr_schedule not in SCHEDULES:
+            raise UserError(f"train.lr_schedule={t.lr_schedule!r}: {did_you_mean(t.lr_schedule, SCHEDULES)}"
+                            f"choose one of {', '.join(SCHEDULES)}")
+        if t.warmup_ratio is not None and not 0 <= t.warmup_ratio < 1:
+            raise UserError(f"train.warmup_ratio={t.warmup_ratio} must be in [0, 1), e.g. 0.03")
         for family, lr in t.lr_by_family.items():
             if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
                 raise UserError(f"train.lr_by_family.{family}={lr!r} must be a positive number")

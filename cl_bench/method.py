@@ -112,6 +112,10 @@ class Method:
     # "full" (all weights), "adapter" (small added modules, base frozen) or "expert"
     # (new MoE experts); None: the method's own lr default in every profile.
     lr_family: ClassVar[str | None] = None
+    # The lr schedule (cl_bench/schedule.py: "constant" | "cosine") and warm-up share the
+    # harness runs each phase with, where the config's train.lr_schedule / warmup_ratio
+    # leave them unset.
+    lr_schedule: ClassVar[tuple[str, float]] = ("constant", 0.0)
     # Why the method cannot train on the deepspeed backend, per ZeRO stage (2, 3); a
     # stage not listed is supported (shown by `cl-bench list --verbose`; a run asking
     # for it is refused before anything loads). Outside a training phase the model is

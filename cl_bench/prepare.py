@@ -90,6 +90,10 @@ def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: 
         run_dir = resume_dir
     method_cls = _method_class(config.method)
     check_support(method_cls, config)
+    t = config.train  # the lr schedule the run records: the config's, else the method's
+    kind, warmup = method_cls.lr_schedule
+    t.lr_schedule = kind if t.lr_schedule is None else t.lr_schedule
+    t.warmup_ratio = warmup if t.warmup_ratio is None else t.warmup_ratio
     method_args = method_cls.parse_args(method_cls.args_for(config))
     for key, lr in dataclasses.asdict(method_args).items():  # lr, and any other learning rate (*_lr)
         if (key == "lr" or key.endswith("_lr")) and isinstance(lr, float) and not (math.isfinite(lr) and lr > 0):

@@ -32,6 +32,7 @@ from cl_bench.metric_log import make_logger
 from cl_bench.metrics.cl import summarise
 from cl_bench.prepare import Run
 from cl_bench.record import ParamReport, RunRecord, StageTiming
+from cl_bench.schedule import LrSchedule
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,8 @@ def _train_phase(run: Run, stage: Stage, phase: Phase, desc: str, log_rows: list
     t = run.config.train
     n_steps = sum(-(-len(rows) // t.batch_size) for rows in epochs)
     extra = {"phase": phase.name} if tag else {}
+    schedule = LrSchedule(run.optimizer, t.lr_schedule, t.warmup_ratio, n_steps)
+    schedule.at(0)
     with tqdm(total=n_steps, desc=desc, unit="step", disable=not run.progress) as bar:
         def on_step(step: int, parts: dict[str, float]) -> None:
             bad = [k for k, v in parts.items() if not math.isfinite(v)]
@@ -176,6 +179,7 @@ def _train_phase(run: Run, stage: Stage, phase: Phase, desc: str, log_rows: list
                 raise UserError(f"{desc}: {bad[0]} is {parts[bad[0]]} at step {step}; the run diverged "
                                 f"and stopped ({kept}): lower method_args.lr (now {method.args.lr:g}) "
                                 f"and start a new run")
+            schedule.at(step + 1)
             log_rows.append({"stage": stage.index, **extra, "step": step, **parts})
             run.global_step += 1
             run.metrics.log(run.global_step, {"stage": stage.index, **parts})

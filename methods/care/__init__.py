@@ -42,12 +42,12 @@ from cl_bench.models.params import count
 from cl_bench.models.prompt_pool import PromptPool, masked_mean, prompt_mask, prompt_tokens
 from cl_bench.registry import register_method
 
-from .args import ROUTER_INPUTS, UNIFORM_CE_TOL, CareArgs, lr_factor
+from .args import ROUTER_INPUTS, UNIFORM_CE_TOL, CareArgs
 from .layer import Adapter, CareMLP, RMSNorm, Triplet, _Control, entropy, select_routers, top_k_softmax
 from .pseudo_labels import _key, kmeans, perceiver_loss
 from .record import _relative, _round, diagnostics, uniformity
 
-__all__ = ["CaRE", "CareArgs", "lr_factor", "UNIFORM_CE_TOL", "ROUTER_INPUTS", "Adapter", "CareMLP", "RMSNorm",
+__all__ = ["CaRE", "CareArgs", "UNIFORM_CE_TOL", "ROUTER_INPUTS", "Adapter", "CareMLP", "RMSNorm",
            "Triplet", "entropy", "select_routers", "top_k_softmax", "kmeans", "perceiver_loss"]
 
 
@@ -62,6 +62,7 @@ class CaRE(Method):
     description = ("CaRE: per-task adapter, router and perceiver in every layer; routers chosen by "
                    "lowest perceiver entropy, anchored shared adapter, frozen LLM")
     Args = CareArgs
+    lr_schedule = ("cosine", 0.03)  # linear warm-up over 3% of each task's steps, cosine to 0 (adaptation)
     zero_unsupported = dict.fromkeys((2, 3), (
         "after_step pulls the shared adapter toward its task-start value in place, which the engine's fp32 "
         "master weights (ZeRO-2) would overwrite and partitioned weights (ZeRO-3) do not hold"))
@@ -89,8 +90,6 @@ class CaRE(Method):
             self.layers.append(layer)
         self.control.pool.install(model)
         self._task = 0
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._n_steps: int | None = None
         self._anchor: list[torch.Tensor] | None = None
         self._shared_start = self._shared_vector()
         self._shared_task0: torch.Tensor | None = None
@@ -112,7 +111,6 @@ class CaRE(Method):
             self._shared_task0 = self._shared_start
         self._anchor = ([p.detach().clone() for p in self._shared_params()]
                         if t >= 1 and self.args.anchor > 0 else None)
-        self._n_steps = self.ctx.stage_steps(stage)
         self._record, self._perceiver_ce = {}, {}
         self._labels, self._centroids = {}, None
         if not self.ctx.shapes_only and stage.tasks:
@@ -185,10 +183,6 @@ class CaRE(Method):
         return torch.tensor([self._labels[k] for k in keys], device=ids.device)
 
     # ---- training -----------------------------------------------------------------------
-    def optimizer_for_stage(self, stage, previous):
-        self._optimizer = super().optimizer_for_stage(stage, previous)
-        return self._optimizer
-
     def _forward(self, batch: dict[str, torch.Tensor], forced: int | torch.Tensor | None):
         """The model on `batch` (labels included) with `forced` routers; returns the output
         and each layer's routing record."""
@@ -220,12 +214,6 @@ class CaRE(Method):
         self._perceiver_ce.setdefault(step, []).append(ce.item())
         return lm + a.perceiver_weight * pc, {"lm": lm.item(), "perceiver": pc.item(), "perceiver_ce": ce.item(),
                                               "perceiver_kl": kl.item(), "task_id_acc": hits.mean().item()}
-
-    def before_step(self, step: int) -> None:
-        if self._optimizer is not None and self._n_steps:
-            lr = self.args.lr * lr_factor(step, self._n_steps, self.args.warmup)
-            for group in self._optimizer.param_groups:
-                group["lr"] = lr
 
     @torch.no_grad()
     def after_step(self, step: int) -> None:

@@ -1,7 +1,7 @@
-"""CaRE's arguments (`method_args`) and its per-task learning-rate schedule:
-
-    lr(step) = lr * (step + 1) / w                                  step < w = ceil(warmup * n_steps)
-    lr(step) = lr * 1/2 (1 + cos(pi (step - w) / max(1, n_steps - w)))   after
+"""CaRE's arguments (`method_args`). Its per-task learning-rate schedule, linear
+warm-up over 3% of a task's steps then cosine to 0, is the harness's "cosine"
+schedule (cl_bench/schedule.py), declared as `CaRE.lr_schedule`; the config's
+train.lr_schedule / train.warmup_ratio override it.
 
 Source of the defaults: CaRE, ICML 2026, arXiv 2602.03473, code LMMMEng/CaRE, and
 the adaptation of reference/seed-methods.md, section (c). Differs from the
@@ -11,7 +11,6 @@ Which default comes from where: docs/methods/care.md, Defaults and sources.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from cl_bench.errors import UserError
@@ -24,7 +23,6 @@ UNIFORM_CE_TOL = 0.05  # perceiver_uniform: |CE - ln G| <= this share of ln G (d
 @dataclass
 class CareArgs(MethodArgs):
     lr: float = 5e-4  # AdamW (reference notes, adaptation)
-    warmup: float = 0.03  # share of a task's steps with linear warm-up; cosine to 0 after
     expert_dim: int = 16  # bottleneck of each task's expert
     shared_dim: int = 64  # bottleneck of the shared adapter Ebar
     dropout: float = 0.1  # inside the adapters
@@ -45,9 +43,9 @@ class CareArgs(MethodArgs):
         for name in ("expert_dim", "shared_dim", "routers", "top_k", "pseudo_classes", "kmeans_iters"):
             if getattr(self, name) < 1:
                 raise UserError(f"method_args.{name}={getattr(self, name)} must be >= 1")
-        if not 0 <= self.dropout < 1 or not 0 <= self.warmup < 1 or not 0 <= self.anchor <= 1:
-            raise UserError(f"method_args: dropout ({self.dropout}) and warmup ({self.warmup}) must be "
-                            f"in [0, 1), anchor ({self.anchor}) in [0, 1]")
+        if not 0 <= self.dropout < 1 or not 0 <= self.anchor <= 1:
+            raise UserError(f"method_args: dropout ({self.dropout}) must be in [0, 1), anchor "
+                            f"({self.anchor}) in [0, 1]")
         for name in ("logit_scale", "kl_temp_low", "kl_temp_high", "lr"):
             if getattr(self, name) <= 0:
                 raise UserError(f"method_args.{name}={getattr(self, name)} must be > 0")
@@ -58,10 +56,3 @@ class CareArgs(MethodArgs):
             raise UserError(f"method_args.router_input={self.router_input!r}: choose one of "
                             f"{', '.join(ROUTER_INPUTS)}")
 
-
-def lr_factor(step: int, n_steps: int, warmup: float) -> float:
-    """Linear warm-up over ceil(warmup * n_steps) steps, then cosine from 1 to 0."""
-    w = math.ceil(warmup * n_steps)
-    if step < w:
-        return (step + 1) / w
-    return 0.5 * (1 + math.cos(math.pi * (step - w) / max(1, n_steps - w)))

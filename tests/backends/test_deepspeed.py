@@ -139,11 +139,17 @@ def test_only_rank_zero_writes_logs_and_shows_progress(trace_dir, tmp_path, monk
 # ---- one rank, one engine per phase ---------------------------------------------------------
 
 @pytest.mark.slow
-def test_one_rank_zero2_matches_the_torch_backend(trace_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("schedule", [
+    [],
+    ["--set", "train.lr_schedule=cosine", "--set", "train.warmup_ratio=0.5", "--set", "train.batch_size=2"],
+], ids=["constant", "cosine"])
+def test_one_rank_zero2_matches_the_torch_backend(trace_dir, tmp_path, monkeypatch, schedule):
     """SeqFT on the smoke profile: the same loss trajectory (rel 1e-5), grad norms,
     matrix and predictions as the torch backend, with the Adam moments carried from
     stage to stage through a new engine each stage; the garbage collector runs at
-    every step, so earlier engines are collected while a later one trains."""
+    every step, so earlier engines are collected while a later one trains. With the
+    harness's cosine schedule (4 steps a stage: lr x 0.5, 1, 1, 0.5), the engine
+    steps at the lr the schedule sets."""
     import gc
 
     from cl_bench.backends.zero_engine import ZeroPhase
@@ -151,8 +157,8 @@ def test_one_rank_zero2_matches_the_torch_backend(trace_dir, tmp_path, monkeypat
     sync = ZeroPhase.sync_hyperparameters
     monkeypatch.setattr(ZeroPhase, "sync_hyperparameters", lambda self: (gc.collect(), sync(self)))
     plain, ds = tmp_path / "torch", tmp_path / "ds"
-    assert run_cli(*smoke_args(trace_dir, plain)) == 0
-    assert run_cli(*smoke_args(trace_dir, ds, *deepspeed_args(tmp_path, 2))) == 0
+    assert run_cli(*smoke_args(trace_dir, plain, *schedule)) == 0
+    assert run_cli(*smoke_args(trace_dir, ds, *schedule, *deepspeed_args(tmp_path, 2))) == 0
     assert_same_run(only_run(plain), only_run(ds))
     record = json.loads((only_run(ds) / "run.json").read_text())
     assert record["backend"]["name"] == "deepspeed" and record["backend"]["world_size"] == 1

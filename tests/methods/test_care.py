@@ -18,7 +18,7 @@ from cl_bench.data import IGNORE, Encoder, collate
 from cl_bench.errors import UserError
 from cl_bench.generation import greedy_generate
 from cl_bench.method import MethodContext, Stage
-from cl_bench.methods.care.args import UNIFORM_CE_TOL, lr_factor
+from cl_bench.methods.care.args import UNIFORM_CE_TOL
 from cl_bench.methods.care.layer import entropy, select_routers, top_k_softmax
 from cl_bench.methods.care.pseudo_labels import _key, kmeans, perceiver_loss
 from cl_bench.models.loading import tiny_llama
@@ -316,20 +316,6 @@ def test_kmeans_recovers_separated_groups_and_is_seeded():
     assert few.tolist() == [0, 1, 2] and c.shape == (3, 16)
 
 
-def test_lr_warms_up_then_decays_by_cosine():
-    assert [round(lr_factor(s, 100, 0.03), 4) for s in (0, 1, 2, 3)] == [0.3333, 0.6667, 1.0, 1.0]
-    assert lr_factor(51, 100, 0.03) == pytest.approx(0.5, abs=0.02) and lr_factor(99, 100, 0.03) < 1e-3
-    assert lr_factor(0, 2, 0.0) == 1.0
-    method, _ = make()
-    method.before_task(stage(0))
-    assert method._n_steps == 2  # 8 examples, batch 4
-    method._n_steps = 10  # warm-up ceil(0.3) = 1 step, then cosine over 9
-    optimizer = method.optimizer_for_stage(stage(0), None)
-    for step, factor in ((0, 1.0), (1, 1.0), (5, 0.5 * (1 + math.cos(math.pi * 4 / 9)))):
-        method.before_step(step)
-        assert optimizer.param_groups[0]["lr"] == pytest.approx(5e-4 * factor)
-
-
 # ---- the model -----------------------------------------------------------------------
 
 def test_setup_starts_as_the_base_model_and_triplets_are_as_the_code_makes_them():
@@ -508,7 +494,6 @@ def test_a_stage_whose_perceivers_stay_uniform_warns_and_a_trained_one_does_not(
                                        (1.0, {"lr": 3e-2, "router_input": "residual"}, 10, False)):
         method, _ = make(n_tasks=1, perceiver_weight=weight, diag_examples=0, **args)
         method.before_task(stage(0))
-        method._n_steps = steps  # the schedule over these steps (the stage's own: 2)
         _, parts = train(method, stage(0), steps)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="cl_bench.methods.care"):
