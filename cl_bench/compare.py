@@ -5,7 +5,8 @@ Each run after the first is compared with the first: for every summary, the
 difference (run - first) with its 95% paired-bootstrap interval and p-value
 (cl_bench/metrics/bootstrap.py). The runs must share tasks, test items and
 budget (training data, epochs, batch, lengths, replay budget, decoding budget
-and model); anything that differs is named and the comparison refused.
+and model) and precision (`auto` is bf16 on one machine and fp32 on another, and
+the two score differently); anything that differs is named and the comparison refused.
 """
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ def differences(a: RunRecord, b: RunRecord, items: bool = True) -> list[str]:
             pa, pb = (_get(r.data, (task, split)) or {} for r in (a, b))
             if (pa.get("indices"), pa.get("sha256")) != (pb.get("indices"), pb.get("sha256")):
                 out.append(f"{task}: {what} differ (seed {a.seed} vs {b.seed}, or other data)")
+    if a.precision != b.precision:  # `auto` resolves per machine: bf16 where the CPU has it, else fp32
+        out.append(f"precision: {a.precision} vs {b.precision} (set train.precision and eval.precision "
+                   f"to the same value for both runs)")
     for keys in BUDGET_FIELDS:
         va, vb = _get(a.config, keys), _get(b.config, keys)
         if va != vb:

@@ -1,7 +1,7 @@
 """Run records -> leaderboard tables (Markdown, CSV, LaTeX), mean ± std over seeds.
 
 Reads `<runs_dir>/**/run.json` (results.read_record, any schema version), groups runs by
-(method, method arguments, model id, profile, task order, reference),
+(method, method arguments, model id, profile, precision, task order, reference),
 aggregates, and formats. Where one method appears with several argument sets
 (a sweep), its rows are labelled with the arguments that differ.
 The summaries come from the records. Each score also carries a 95% interval,
@@ -49,10 +49,10 @@ PARAMS = (
 # ParamReport's expansion_rate (share of candidate experts expanded), where the method reports one
 EXTRA = ["Added", "Expansion"]
 COUNTS = [col for _, col in PARAMS] + ["Added"]  # parameter counts: integers, shown as 134.5M
-GROUP_KEYS = ["Method", "Args", "Model", "Profile", "Order", "Reference"]
+GROUP_KEYS = ["Method", "Args", "Model", "Profile", "Precision", "Order", "Reference"]
 MARKS = ["Last ≠ base", "BWT ≠ base", "Last ≠ best"]  # "yes" / "no" at 95%; "–" when not computable
 COLUMNS = (
-    ["Method", "Args", "Model", "Profile", "Tasks", "Order", "Reference", "Runs"]
+    ["Method", "Args", "Model", "Profile", "Precision", "Tasks", "Order", "Reference", "Runs"]
     + [f"{stem} {stat_}" for _, stem in SCORES for stat_ in ("mean", "std", "lo", "hi")]
     + MARKS
     + [col for _, col in PARAMS]
@@ -131,6 +131,7 @@ def _flatten(entry: _Entry) -> dict:
         "Args": json.dumps(run.method_args, sort_keys=True),
         "Model": _field(run, "model", "id"),
         "Profile": _field(run, "profile"),
+        "Precision": run.precision,  # runs of one method in bf16 and in fp32 are not seeds of one row
         "Order": ",".join(tasks),
         "Reference": run.reference,
         "Tasks": len(tasks),
@@ -187,7 +188,7 @@ def _distinct(a: dict | None, b: dict | None, runs_a: list[_Entry], runs_b: list
 
 
 def build_table(runs: list[RunRecord]) -> pd.DataFrame:
-    """One row per (method, model, profile, task order, reference) group.
+    """One row per (method, arguments, model, profile, precision, task order, reference) group.
 
     Scores: mean and sample std (ddof=1; NaN for one run) over the group's runs,
     ignoring nulls, and the 95% interval ("lo", "hi") over items (and seeds).
@@ -257,12 +258,13 @@ def _score_cell(mean, std, lo=None, hi=None) -> str:
 
 
 def _display_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
-    headers = ["Method", "Model", "Profile", "Tasks", "Runs"] + [stem for _, stem in SCORES]
+    headers = ["Method", "Model", "Profile", "Precision", "Tasks", "Runs"] + [stem for _, stem in SCORES]
     headers += MARKS + [col for _, col in PARAMS] + EXTRA + ["Wall time (min)"]
     rows = []
     for rec, label in zip(df.to_dict("records"), _method_labels(df)):
         method = f"{label} (reference)" if rec["Reference"] else label
-        row = [method, str(rec["Model"]), str(rec["Profile"]), str(rec["Tasks"]), str(rec["Runs"])]
+        row = [method, str(rec["Model"]), str(rec["Profile"]), str(rec["Precision"]), str(rec["Tasks"]),
+               str(rec["Runs"])]
         row += [_score_cell(*(rec[f"{stem} {x}"] for x in ("mean", "std", "lo", "hi"))) for _, stem in SCORES]
         row += [MISSING if pd.isna(rec[col]) else rec[col] for col in MARKS]
         row += [humanise(rec[col]) for col in COUNTS]
@@ -293,7 +295,7 @@ def format_table(df: pd.DataFrame, fmt: str = "md") -> str:
     if fmt not in FORMATS:
         raise UserError(f"unknown leaderboard format {fmt!r}; choose one of {', '.join(FORMATS)}")
     headers, rows = _display_rows(df)
-    align = ["left"] * 3 + ["right"] * (len(headers) - 3)
+    align = ["left"] * 4 + ["right"] * (len(headers) - 4)
     tablefmt = "pipe" if fmt == "md" else "latex_booktabs"
     # disable_numparse: the cells are already formatted; tabulate would re-round "45.0" to "45"
     return tabulate(rows, headers, tablefmt=tablefmt, colalign=align, disable_numparse=True) + "\n"

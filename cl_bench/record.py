@@ -275,6 +275,14 @@ class RunRecord:
     error: str | None = None
     source: Path | None = field(default=None, compare=False, repr=False, metadata={"json": False})
 
+    @property
+    def precision(self) -> str:
+        """What the run computed in: 'bf16', 'fp32', or 'train bf16, eval fp32' where
+        the two differ. Records from before `backend.precision` existed ran fp32."""
+        chosen = (self.backend or {}).get("precision") or {}
+        train, evaluate = chosen.get("train", "fp32"), chosen.get("eval", "fp32")
+        return train if train == evaluate else f"train {train}, eval {evaluate}"
+
     def to_json(self) -> dict[str, Any]:
         """The JSON object written to run.json: of SCHEMA_VERSION, whatever was read."""
         return {**_to_json(self), "schema_version": SCHEMA_VERSION}

@@ -116,6 +116,8 @@ def test_compare_gives_paired_differences(tmp_path, capsys):
     (lambda r: r["data"]["C-STANCE"]["test"].update(indices=[9, 8, 7, 6]), "C-STANCE: test items differ"),
     (lambda r: r["config"]["train"].update(batch_size=8), "train.batch_size: 4 vs 8"),
     (lambda r: r["config"].update(model="smollm2-135m"), "model"),
+    (lambda r: r.update(backend={"name": "torch", "precision": {"train": "bf16", "eval": "bf16"}}),
+     "precision: fp32 vs bf16"),
 ])
 def test_compare_refuses_runs_that_differ_and_says_how(tmp_path, capsys, change, message):
     a_rec, a_preds = make_record(SCORES)

@@ -92,6 +92,20 @@ def test_other_task_order_or_model_is_a_separate_row(tmp_path):
     assert len(df) == 3 and df["Runs"].tolist() == [1, 1, 1]
 
 
+def test_runs_in_other_precisions_are_separate_rows_never_pooled_as_seeds(tmp_path):
+    d = tmp_path / "runs"
+    bf16 = {"name": "torch", "precision": {"train": "bf16", "eval": "bf16"}}
+    write(d, {**make_run("a", seed=1, last=40.0), "backend": bf16})
+    write(d, {**make_run("b", seed=2, last=50.0), "backend": bf16})
+    write(d, make_run("c", seed=3, last=10.0))  # before backend.precision: fp32
+    write(d, {**make_run("e", seed=4, last=20.0),
+              "backend": {"name": "torch", "precision": {"train": "bf16", "eval": "fp32"}}})
+    df = build_table(load_runs(d))
+    assert dict(zip(df["Precision"], df["Runs"])) == {"bf16": 2, "fp32": 1, "train bf16, eval fp32": 1}
+    assert df.loc[df["Precision"] == "bf16", "Last Acc mean"].item() == pytest.approx(45.0)
+    assert "| fp32 " in format_table(df, "md")
+
+
 def test_reference_rows_sit_at_the_bottom_flagged(runs_dir):
     df = build_table(load_runs(runs_dir))
     # individual has the best Last Acc (70) but is never ranked
@@ -117,10 +131,10 @@ def test_markdown_shows_mean_pm_std_only_for_several_runs(runs_dir):
     seqft = next(line for line in lines if line.startswith("| seqft"))
     cells = [c.strip() for c in seqft.strip("|").split("|")]
     # no predictions beside these records: no intervals, and no marks
-    assert cells == ["seqft", "smollm2-135m", "cpu", "3", "2", "45.0 ± 7.1", "61.0 ± 1.4", "-12.0 ± 2.8",
+    assert cells == ["seqft", "smollm2-135m", "cpu", "fp32", "3", "2", "45.0 ± 7.1", "61.0 ± 1.4", "-12.0 ± 2.8",
                      "–", "–", "–", "–", "134.5M", "1.24B", "134.5M", "134.5M", "0", "–", "15.0"]
     ewc = [c.strip() for c in next(line for line in lines if line.startswith("| ewc")).strip("|").split("|")]
-    assert ewc[5:8] == ["55.0", "58.0", "–"]  # one run: no ±; null BWT: en dash
+    assert ewc[6:9] == ["55.0", "58.0", "–"]  # one run: no ±; null BWT: en dash
 
 
 def test_csv_keeps_raw_numbers_and_empty_missing(runs_dir):
@@ -261,7 +275,7 @@ def test_nulls_everywhere_render_as_dashes(tmp_path):
     write(tmp_path, make_run("a", last=None, stage=None, bwt=None, total_s=None, params=[]))
     df = build_table(load_runs(tmp_path))
     cells = [c.strip() for c in format_table(df, "md").strip().splitlines()[-1].strip("|").split("|")]
-    assert cells[5:] == ["–"] * 14
+    assert cells[6:] == ["–"] * 14
 
 
 def test_a_sweep_gives_one_row_per_argument_set_labelled_by_what_differs(tmp_path):

@@ -20,6 +20,26 @@ def test_auto_precision_follows_the_device():
     assert precision.resolve("auto", cpu) == ("bf16" if precision.native_bf16(cpu) else "fp32")
 
 
+@pytest.mark.parametrize("choice, says", [("auto", "auto -> fp32"), ("bf16", "emulated")])
+def test_a_cpu_without_native_bf16_is_warned_once(monkeypatch, caplog, choice, says):
+    """auto falls back to fp32 there (slower, not comparable with bf16 records); an
+    explicit bf16 is emulated and far slower: both are said, once, in the log."""
+    monkeypatch.setattr(precision, "native_bf16", lambda device: False)
+    monkeypatch.setattr(precision, "_WARNED", set())
+    cpu = torch.device("cpu")
+    with caplog.at_level("WARNING", logger="cl_bench.precision"):
+        for _ in range(3):
+            precision.resolve(choice, cpu)
+        precision.resolve("fp32", cpu)
+    assert [r.getMessage() for r in caplog.records if says in r.getMessage()] != []
+    assert len(caplog.records) == 1
+    monkeypatch.setattr(precision, "native_bf16", lambda device: True)
+    monkeypatch.setattr(precision, "_WARNED", set())
+    caplog.clear()
+    precision.resolve(choice, cpu)  # a CPU that has it: nothing to say
+    assert caplog.records == []
+
+
 @pytest.mark.slow
 def test_bf16_training_stays_near_fp32(trace_dir, tmp_path):
     """bf16 autocast changes the losses (it is engaged) by less than 2% a step on the
