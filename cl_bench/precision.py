@@ -13,9 +13,11 @@ devices that report bf16 support; CPUs with AVX-512 BF16 or AMX), else fp32.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 
 import torch
+from torch import nn
 
 CHOICES = ("auto", "fp32", "bf16")
 log = logging.getLogger(__name__)
@@ -69,3 +71,52 @@ def autocast(precision: str, device: torch.device):
     if precision == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+# the casts of one `evaluation` block: id(tensor) -> (tensor, its _version then, its bf16 copy)
+_CASTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("cl_bench_eval_casts", default=None)
+
+
+@contextlib.contextmanager
+def evaluation(precision: str, device: torch.device, model: nn.Module):
+    """The context an evaluation runs in: `autocast(precision, device)`, and in bf16
+    each weight cast to bf16 once for the whole block instead of at every forward.
+
+    Autocast keeps its bf16 copy of a weight only for leaf, non-view tensors that
+    require grad. Frozen weights (a LoRA base; an upcycled model's attention, dense
+    MLPs and old experts) and slices of stacked parameters (the MoE experts) would be
+    cast again at every prefill and every decoded token. Inside this block, where
+    generation takes no gradient, the frozen fp32 parameters require grad, so autocast
+    caches their casts, and `cast_once` gives code that slices a stacked parameter one
+    cached copy of it. Both are autocast's own casts (`Tensor.to`), so the outputs are
+    bit-identical; the cost is a bf16 copy of the weights while the block lasts.
+    Everything is restored on the way out, also on an error."""
+    if precision != "bf16":
+        with autocast(precision, device):
+            yield
+        return
+    frozen = [p for p in model.parameters() if not p.requires_grad and p.dtype == torch.float32]
+    token = _CASTS.set({})
+    try:
+        for p in frozen:
+            p.requires_grad_(True)
+        with autocast(precision, device):
+            yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
+        _CASTS.reset(token)
+
+
+def cast_once(t: torch.Tensor) -> torch.Tensor:
+    """`t` cast as autocast would cast it for a matrix product, once per `evaluation`
+    block (again if `t` changed in place); `t` itself outside such a block, while
+    autograd records, for a tensor that is not fp32, or where autocast is off."""
+    cache = _CASTS.get()
+    if (cache is None or torch.is_grad_enabled() or t.dtype != torch.float32
+            or not torch.is_autocast_enabled(t.device.type)):
+        return t
+    hit = cache.get(id(t))
+    if hit is None or hit[0] is not t or hit[1] != t._version:
+        hit = cache[id(t)] = (t, t._version, t.to(torch.get_autocast_dtype(t.device.type)))
+    return hit[2]

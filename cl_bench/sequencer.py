@@ -203,7 +203,7 @@ def _evaluate(run: Run, stage_label: str, indices: list[int], model) -> dict[int
     total = sum(len(run.tasks[j].test) for j in indices)
     out = {}
     with tqdm(total=total, desc=f"{stage_label} eval", unit="ex", disable=not run.progress,
-              leave=False) as bar, precision.autocast(run.backend.eval_precision, run.backend.device):
+              leave=False) as bar, precision.evaluation(run.backend.eval_precision, run.backend.device, model):
         for j in indices:
             out[j] = evaluate_task(model, run.encoder, run.tasks[j], run.config.eval, bar.update,
                                    run.backend.generate)

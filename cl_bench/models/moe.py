@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cl_bench import precision
 from cl_bench.errors import UserError
 from cl_bench.models import balancing
 from cl_bench.models.balancing import BalancingLosses, balancing_losses  # noqa: F401 (re-exported)
@@ -171,9 +172,11 @@ class UpcycledMoE(nn.Module):
 
     def experts(self, extra: ExpertGroup | None = None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(gate [h, d], up [h, d], down [d, h]) of each expert, in router-row order
-        (`extra`'s after the layer's). unbind views: their backward is one stack per group."""
+        (`extra`'s after the layer's). unbind views: their backward is one stack per group;
+        in a bf16 evaluation, views of each group's one cached bf16 copy (precision.cast_once)."""
         groups = list(self.groups) if extra is None else [*self.groups, extra]
-        return [e for g in groups for e in zip(g.gate.unbind(0), g.up.unbind(0), g.down.unbind(0))]
+        return [e for g in groups
+                for e in zip(*(precision.cast_once(w).unbind(0) for w in (g.gate, g.up, g.down)))]
 
     def route(self, x: torch.Tensor, extra: ExpertGroup | None = None,
               gates: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
