@@ -38,8 +38,10 @@ def resolve(choice: str, device: torch.device) -> str:
     """`auto` -> 'bf16' or 'fp32' for this device; 'fp32' and 'bf16' as given.
     Warns once where the choice makes a CPU run slow or unlike the committed
     bf16 records (see `_warn_once`)."""
+    if choice == "fp32":
+        return choice
     native = native_bf16(device)
-    if device.type == "cpu" and not native and choice != "fp32":
+    if device.type == "cpu" and not native:
         _warn_once(choice)
     if choice == "auto":
         return "bf16" if native else "fp32"
@@ -73,7 +75,8 @@ def autocast(precision: str, device: torch.device):
     return contextlib.nullcontext()
 
 
-# the casts of one `evaluation` block: id(tensor) -> (tensor, its _version then, its bf16 copy)
+# the casts of one `evaluation` block: id(tensor) -> (tensor, its _version then, its bf16 copy);
+# the entry holds the tensor, so its id cannot be reused while the block lasts
 _CASTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("cl_bench_eval_casts", default=None)
 
 
@@ -117,6 +120,6 @@ def cast_once(t: torch.Tensor) -> torch.Tensor:
             or not torch.is_autocast_enabled(t.device.type)):
         return t
     hit = cache.get(id(t))
-    if hit is None or hit[0] is not t or hit[1] != t._version:
+    if hit is None or hit[1] != t._version:
         hit = cache[id(t)] = (t, t._version, t.to(torch.get_autocast_dtype(t.device.type)))
     return hit[2]
