@@ -130,6 +130,9 @@ class ZeroPhase:
                    "params": s.params} for s in self.slots]
         self.ds_optimizer = make_optimizer(groups)
         anchors = self.trainable if zero == 2 else []
+        # ZeRO-3 installs its own F.linear for the whole process ("persists unless
+        # manually reset"); close() puts this one back for evaluation and later runs
+        self._linear = torch.nn.functional.linear
         self.engine, *_ = deepspeed.initialize(model=LossForward(model, anchors),
                                                optimizer=self.ds_optimizer, config=ds_config)
         if masters is not None:
@@ -208,6 +211,7 @@ class ZeroPhase:
                     with self.ds.zero.GatheredParameters([p]):
                         values[p] = p.data.detach().clone()
         self.engine.destroy()
+        torch.nn.functional.linear = self._linear
         # The engine's __del__ calls destroy() again when it is collected, which would
         # unlink the parameters from whatever engine holds them by then: drop its optimiser.
         self.engine.optimizer = None
