@@ -49,3 +49,10 @@ PROFILES: dict[str, dict[str, Any]] = {
         "eval": {"batch_size": 16, "max_new_tokens_cap": 256},
     },
 }
+
+# `cpu` trained three times as long (3 epochs a task, the same items): for the
+# flagship's comparison (bilevel-cka, its ablations, upcycle, replay), whose search
+# needs 35-70 outer updates a task (issue 15's review) where `cpu`'s 12-32 steps a
+# task allow at most one a step. bilevel-cka runs it with min_mask_updates=35: 36-48
+# updates a task (scripts/campaigns/issue15.txt).
+PROFILES["cpu-long"] = {**PROFILES["cpu"], "train": {**PROFILES["cpu"]["train"], "epochs": 3}}

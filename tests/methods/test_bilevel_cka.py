@@ -345,6 +345,35 @@ def test_the_clones_train_with_the_optimiser_the_sequencer_carries_over():
     assert len(gains) == 2 and len(set(gains)) == 2
 
 
+def _outer_updates(profile: str, args: BilevelCKAArgs) -> dict[str, int]:
+    """Outer updates per paper6 task of bilevel-cka on `profile`, from the stage's
+    step count as the sequencer batches it (no data loaded)."""
+    from benchmarks.trace.tasks import ORDERS
+    from cl_bench.config import resolve
+
+    config = resolve(profile, None, {})
+    ctx = MethodContext(config, torch.device("cpu"), None)
+    out = {}
+    for i, name in enumerate(ORDERS["paper6"]):
+        task = SimpleNamespace(name=name, train=[None] * config.data.n_train_for(name))
+        out[name] = mask_schedule(ctx.stage_steps(Stage(i, [task], name)), args)[1]
+    return out
+
+
+def test_cpu_long_gives_the_search_35_to_70_outer_updates_a_task():
+    """Issue 15: the search needs 35-70 outer updates a task to decide. `cpu`'s 12-32
+    steps a task cannot give that even with an update every step; `cpu-long` (3 epochs)
+    with min_mask_updates=35 gives 36-48, each able to reach Recycle. Mutations caught:
+    cpu-long without its epochs (12-32), min_mask_updates ignored (4 a task)."""
+    g0 = math.log(0.6 / 0.4)
+    assert set(_outer_updates("cpu", BilevelCKAArgs()).values()) == {4}
+    assert max(_outer_updates("cpu", BilevelCKAArgs(min_mask_updates=35)).values()) < 35  # one a step at most
+    long = _outer_updates("cpu-long", BilevelCKAArgs(min_mask_updates=35))
+    assert long == {"MeetingBank": 36, "Py150": 48, "NumGLUE-cm": 48, "NumGLUE-ds": 48, "20Minuten": 36,
+                    "C-STANCE": 48}
+    assert all(2 * u * reachable_mask_lr(u, g0, 0.01) >= 2 * g0 - 1e-9 for u in long.values())
+
+
 def test_recycle_is_reachable_on_a_short_task():
     """Adam moves a logit by at most ~mask_lr per update, so the expand - recycle gap
     moves at most 2 U mask_lr: with U = 4 and 0.01 that is 0.08 from the prior's
