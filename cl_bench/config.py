@@ -285,8 +285,11 @@ def coerce(value: Any, typ: Any, where: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise UserError(f"{where}={value!r} must be a list")
         return [coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)] if args else list(value)
-    if origin is dict and not isinstance(value, dict):
-        raise UserError(f"{where}={value!r} must be a mapping")
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise UserError(f"{where}={value!r} must be a mapping")
+        if args:  # each entry as its field type says (`--set data.n_train_per_task.Py150=64` gives a string)
+            return {k: coerce(v, args[1], f"{where}.{k}") for k, v in value.items()}
     return value
 
 

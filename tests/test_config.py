@@ -114,3 +114,21 @@ def test_set_into_a_value_is_refused():
     set_dotted(raw, "train", "3")
     with pytest.raises(UserError, match="'train' is a value, not a section"):
         set_dotted(raw, "train.epochs", "2")
+
+
+def test_set_one_entry_of_a_mapping_takes_the_entrys_type():
+    """`--set data.n_train_per_task.Py150=64` arrives as the string '64' inside the
+    mapping: it is coerced to the entry's type (int; lr_by_family: float), and a bad
+    entry names its key. Mutation caught: mapping entries left as strings."""
+    from cl_bench.config import set_dotted
+
+    raw = {}
+    for dotted, text in (("data.n_train_per_task.Py150", "64"), ("train.lr_by_family.full", "1e-4")):
+        set_dotted(raw, dotted, text)
+    config = resolve("cpu", None, raw)
+    assert config.data.n_train_per_task["Py150"] == 64 and config.data.n_train_per_task["NumGLUE-cm"] == 256
+    assert config.train.lr_by_family["full"] == 1e-4 and config.train.lr_by_family["adapter"] == 3e-3
+    bad = {}
+    set_dotted(bad, "data.n_train_per_task.Py150", "many")
+    with pytest.raises(UserError, match=r"data.n_train_per_task.Py150='many' is not a valid int"):
+        resolve("cpu", None, bad)
