@@ -7,4 +7,5 @@ sharpness.py  per expert of the newest MoE group: token share, gradient norm,
               top Hessian eigenvalue
 plots.py      `cl-bench analyze`: the figures drawn from a record
 cost.py       `cl-bench analyze --against`: two runs' stage costs
+depth.py      do deep layers expand more than shallow ones (decision maps)
 """

@@ -22,6 +22,9 @@ beside it. Each figure is drawn when the record holds its data:
   stage by gradient norm and by top Hessian eigenvalue, experts that receive
   under 5% of the routing assignments hollow (runs with eval.sharpness > 0).
 
+With decision maps it also writes depth.json: whether the deep layers expand
+more than the shallow ones, with an interval (cl_bench/analysis/depth.py).
+
 Nothing is recomputed from a model: the figures show what the run recorded
 (the intervals and answer forms come from its predictions, cl_bench/intervals.py).
 
@@ -259,7 +262,9 @@ def analyze(run_dir: Path, against: Path | None = None, from_stage: int = 0,
     """Write every figure the record of `run_dir` supports (and, with `against`,
     the cost comparison); returns their paths."""
     from cl_bench.analysis.cost import cost
+    from cl_bench.analysis.depth import record_depth
     from cl_bench.intervals import record_intervals
+    from cl_bench.results import atomic_write_text
 
     record = read_finished(run_dir)
     iv = record_intervals(record, run_dir)
@@ -273,6 +278,11 @@ def analyze(run_dir: Path, against: Path | None = None, from_stage: int = 0,
         drawn = draw(record, run_dir / name)
         if drawn is not None:
             out.append(drawn)
+    depth = record_depth(record)
+    if depth is not None:
+        path = run_dir / "depth.json"
+        atomic_write_text(path, json.dumps(depth, indent=1) + "\n")
+        out.append(path)
     if against is not None:
         result = cost(run_dir, against, from_stage, calibrate_stage)
         path = run_dir / f"cost-vs-{result['other']}.json"

@@ -69,7 +69,9 @@ def test_analyze_draws_what_the_record_holds(tmp_path):
     probes = {"cka": {"1": {"A": [0.99, 0.7]}}, "sharpness": {"1": sharp}}
     (full / "run.json").write_text(json.dumps(_record(params=params, probes=probes)))
     names = ["heatmap.png", "decisions.png", "cka.png", "sharpness.png"]
-    assert [p.name for p in analyze(full)] == names and all(_png(full / n) for n in names)
+    assert [p.name for p in analyze(full)] == [*names, "depth.json"] and all(_png(full / n) for n in names)
+    depth = json.loads((full / "depth.json").read_text())  # layer 0: 1 of 2 slots, layer 1: 1 of 2
+    assert (depth["stages"], depth["rate"], depth["verdict"]) == ([1], [0.5, 0.5], "not distinguishable")
 
     typed = tmp_path / "typed"  # schema 2: a method's own keys under the row's "diagnostics"
     typed.mkdir()
@@ -77,7 +79,7 @@ def test_analyze_draws_what_the_record_holds(tmp_path):
             {"stage": 1, "expansion_rate": 0.5, "diagnostics": {"decision_layers": [0, 1],
                                                                 "decisions": [[1, 0], [0, 1]]}}]
     (typed / "run.json").write_text(json.dumps(_record(schema_version=2, params=rows)))
-    assert [p.name for p in analyze(typed)] == ["heatmap.png", "decisions.png"]
+    assert [p.name for p in analyze(typed)] == ["heatmap.png", "decisions.png", "depth.json"]
     assert (typed / "decisions.png").read_bytes() == (full / "decisions.png").read_bytes()
 
 
