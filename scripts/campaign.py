@@ -6,10 +6,12 @@ one sitting would have written (not in CI; the runs take hours).
   interrupted, failed or is still listed as running is continued with
   `cl-bench run --resume` (which loses at most the stage in progress); the
   others are started.
-- The code is a clone of the repository's HEAD, made once per commit under
+- The code is a clone of the repository, made once per commit under
   `.campaign/code-<commit>` and put first on PYTHONPATH: editing the tree while
-  a campaign runs changes nothing it imports. A dirty tree is refused (its
-  changes would not be in the clone).
+  a campaign runs changes nothing it imports. A new run takes HEAD (a tree with
+  uncommitted changes is refused: the clone would not hold them); a resumed run
+  takes the commit it started from (its record's git_commit), so that no run
+  mixes two versions of the code.
 - Precision: a run whose train or eval precision is `auto` or `bf16` is refused on
   a CPU without native bf16 (AVX-512 BF16 or AMX): there `auto` computes in fp32,
   whose scores cannot be pooled with the committed bf16 records, and `bf16` is
@@ -39,6 +41,10 @@ ROOT = Path(__file__).resolve().parent.parent
 POLL_S = 2.0
 
 
+class CampaignError(Exception):
+    """One line for the user (exit 2)."""
+
+
 @dataclass
 class Entry:
     run_dir: Path  # relative to the repository root, as written in the plan
@@ -60,12 +66,13 @@ def read_plan(path: Path) -> list[Entry]:
         target, sep, flags = text.partition(":")
         target = target.strip()
         if not sep or "/" not in target or not flags.strip():
-            raise SystemExit(f"{path}:{n}: write '<output dir>/<run id>: <cl-bench run flags>', got {raw.strip()!r}")
+            raise CampaignError(f"{path}:{n}: write '<output dir>/<run id>: <cl-bench run flags>', "
+                                f"got {raw.strip()!r}")
         given = [f for f in ("--output-dir", "--run-id", "--no-progress", "--resume") if f in flags.split()]
         if given:
-            raise SystemExit(f"{path}:{n}: drop {', '.join(given)}: the line's '{target}:' gives the folder")
+            raise CampaignError(f"{path}:{n}: drop {', '.join(given)}: the line's '{target}:' gives the folder")
         if target in seen:
-            raise SystemExit(f"{path}:{n}: {target} is planned twice; give each run its own id")
+            raise CampaignError(f"{path}:{n}: {target} is planned twice; give each run its own id")
         seen.add(target)
         entries.append(Entry(Path(target), shlex.split(flags), n))
     return entries
@@ -108,18 +115,33 @@ def precisions(entry: Entry, todo: str) -> tuple[str, str]:
     return config.train.precision, config.eval.precision
 
 
-def frozen_code() -> Path:
-    """A clone of HEAD (made once per commit), refused while the tree has changes."""
-    def git(*argv: str) -> str:
-        return subprocess.run(["git", "-C", str(ROOT), *argv], check=True, capture_output=True,
-                              text=True).stdout.strip()
+def _git(*argv: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *argv], check=True, capture_output=True, text=True).stdout.strip()
 
-    if git("status", "--porcelain", "--untracked-files=no"):
-        raise SystemExit(f"{ROOT}: the tree has uncommitted changes; commit them (the campaign runs a clone of HEAD)")
-    commit = git("rev-parse", "--short=12", "HEAD")
-    code = ROOT / ".campaign" / f"code-{commit}"
+
+def commit_of(entry: Entry, todo: str) -> str:
+    """The commit whose code the entry runs: a new run HEAD's (refused while the tree
+    has changes, which a clone would not hold), a resumed one the commit it started
+    from, so that no run mixes two versions of the code (HEAD's where the record
+    names none, or a changed tree)."""
+    if todo == "resume" and status(entry) is not None:
+        started = json.loads((ROOT / entry.run_dir / "run.json").read_text(encoding="utf-8")).get("git_commit")
+        if started and "+" not in started:
+            try:
+                return _git("rev-parse", "--verify", "--quiet", f"{started}^{{commit}}")
+            except subprocess.CalledProcessError:
+                pass
+    if _git("status", "--porcelain", "--untracked-files=no"):
+        raise CampaignError(f"{ROOT}: the tree has uncommitted changes; commit them (new runs run a clone of HEAD)")
+    return _git("rev-parse", "HEAD")
+
+
+def checkout(commit: str) -> Path:
+    """A clone of the repository at `commit`, made once under .campaign/."""
+    code = ROOT / ".campaign" / f"code-{commit[:12]}"
     if not code.is_dir():
-        subprocess.run(["git", "clone", "--quiet", str(ROOT), str(code)], check=True)
+        subprocess.run(["git", "clone", "--quiet", "--no-checkout", str(ROOT), str(code)], check=True)
+        subprocess.run(["git", "-C", str(code), "checkout", "--quiet", commit], check=True)
     return code
 
 
@@ -146,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         entries = read_plan(args.plan)
-    except SystemExit as e:
+    except CampaignError as e:
         print(e, file=sys.stderr)
         return 2
 
@@ -157,16 +179,21 @@ def main(argv: list[str] | None = None) -> int:
 
     native = native_bf16(torch.device("cpu"))
     todo = [(e, action(e)) for e in entries]
-    refused = []
-    for entry, what in todo:
-        try:
+    refused, code = [], {}
+    try:
+        for entry, what in todo:
             asked = precisions(entry, what) if what != "done" else ()
-        except UserError as e:
-            print(f"{args.plan}:{entry.line}: {e}", file=sys.stderr)
-            return 2
-        if not native and not args.allow_fp32 and set(asked) & {"auto", "bf16"}:
-            refused.append(str(entry.line))
-        print(f"{what:6s} {entry.run_dir}" + (f"  (precision {'/'.join(asked)})" if asked else ""), flush=True)
+            if not native and not args.allow_fp32 and set(asked) & {"auto", "bf16"}:
+                refused.append(str(entry.line))
+            if what != "done":
+                code[entry.run_dir] = args.code.resolve() if args.code else commit_of(entry, what)
+            where = code.get(entry.run_dir)
+            label = where[:12] if isinstance(where, str) else str(where)
+            print(f"{what:6s} {entry.run_dir}" + (f"  (precision {'/'.join(asked)}, code {label})" if asked else ""),
+                  flush=True)
+    except (UserError, CampaignError) as e:
+        print(f"{args.plan}:{entry.line}: {e}", file=sys.stderr)
+        return 2
     if refused:
         print(f"{args.plan}: lines {', '.join(refused)} ask for precision auto or bf16, but this CPU has no "
               f"native bf16 (AVX-512 BF16 or AMX): auto would compute in fp32, not poolable with the committed "
@@ -176,11 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return 0
 
-    code = args.code.resolve() if args.code else frozen_code()
     logs = ROOT / ".campaign" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+    envs = {}
+    for run_dir, where in code.items():
+        path = where if args.code else checkout(where)
+        envs[run_dir] = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
+                         "PYTHONPATH": os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")]))}
     queue = [(e, w) for e, w in todo if w != "done"]
     running: dict[subprocess.Popen, tuple[Entry, float]] = {}
     failed = 0
@@ -190,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                 entry, what = queue.pop(0)
                 with open(logs / f"{entry.run_id}.log", "a", encoding="utf-8") as log:
                     # its own session: a Ctrl-C reaches the campaign, which passes one SIGINT on
-                    proc = subprocess.Popen(command(entry, what), cwd=ROOT, env=env, stdout=log,
+                    proc = subprocess.Popen(command(entry, what), cwd=ROOT, env=envs[entry.run_dir], stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True)
                 running[proc] = (entry, time.monotonic())
                 print(f"{time.strftime('%H:%M:%S')} {what} {entry.run_dir} (log {logs / entry.run_id}.log)",

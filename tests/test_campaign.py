@@ -32,18 +32,29 @@ def test_dry_run_says_skip_resume_start_and_refuses_auto_without_bf16(plan, monk
     """Mutations caught: a complete run started again, an interrupted one started
     afresh, auto precision let through on a CPU without bf16."""
     path, out = plan
-    assert campaign.main([str(path), "--dry-run"]) == 0
+    here = ["--code", str(ROOT)]  # not a clone of HEAD: the tree under test may have changes
+    assert campaign.main([str(path), "--dry-run", *here]) == 0
     said = capsys.readouterr().out.splitlines()
     assert [line.split()[:2] for line in said] == [["done", f"{out}/a/done"], ["resume", f"{out}/b/cut"],
                                                     ["start", f"{out}/new"]]
 
     path.write_text(path.read_text() + f"{out}/auto: --profile smoke --method seqft --set train.precision=auto\n")
     monkeypatch.setattr("cl_bench.precision.native_bf16", lambda device: False)
-    assert campaign.main([str(path), "--dry-run"]) == 2
+    assert campaign.main([str(path), "--dry-run", *here]) == 2
     assert f"{path}: lines 6 ask for precision auto or bf16" in capsys.readouterr().err
-    assert campaign.main([str(path), "--dry-run", "--allow-fp32"]) == 0
+    assert campaign.main([str(path), "--dry-run", "--allow-fp32", *here]) == 0
     monkeypatch.setattr("cl_bench.precision.native_bf16", lambda device: True)
-    assert campaign.main([str(path), "--dry-run"]) == 0
+    assert campaign.main([str(path), "--dry-run", *here]) == 0
+
+
+def test_a_resumed_run_takes_the_code_of_the_commit_it_started_from(plan):
+    """Mutation caught: resuming with HEAD's code (two versions in one run)."""
+    path, out = plan
+    record = out / "b" / "cut" / "run.json"
+    first = campaign._git("rev-list", "--max-parents=0", "HEAD").splitlines()[0]  # any commit of the repository
+    record.write_text(json.dumps({**json.loads(record.read_text()), "git_commit": first}))
+    entry = campaign.read_plan(path)[1]
+    assert campaign.commit_of(entry, "resume") == first
 
 
 @pytest.mark.parametrize("line, says", [
