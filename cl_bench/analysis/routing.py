@@ -20,9 +20,18 @@ the CKA probe (cl_bench/analysis/probes.py: how far each layer's representation
 of the task moved) it separates "routed elsewhere" (JS high) from "the experts
 the task uses changed" (JS low, CKA falling).
 
-A routed layer is any module with `route(x) -> (probs, weights, indices)` and
-`n_experts` (cl_bench.models.moe.UpcycledMoE and the layers built like it); a
-model without one records nothing. The references live in the probe's state
+Two kinds of routed layer are probed:
+- token routing: a module with `route(x) -> (probs, weights, indices)` and
+  `n_experts` (cl_bench.models.moe.UpcycledMoE and the layers built like it),
+  counted as above;
+- sequence routing: a module that weights its experts per sequence and exposes
+  the weights of its last forward as `routing_weights` (B, E) (SAME's routed
+  linears, CaRE's layers), whose share of expert e is its mean weight over the
+  probe's sequences, p_l[e] = sum_b w_b[e] / sum_b sum_e' w_b[e']. Such layers
+  pool the prompt: the probe's forward carries the labels, so the prompt is
+  the part with label -100, as in training (cl_bench/models/prompt_pool.py);
+  a forward that does not recompute the weights (a bypassed layer) counts nothing.
+A model without either records nothing. The references live in the probe's state
 (checkpointed with the run, so a resumed run keeps them); the record gets the JS
 values and the distributions (rounded shares).
 """
@@ -38,9 +47,13 @@ from cl_bench.data import Encoder, collate
 from cl_bench.models.modes import device_of, eval_mode
 
 
+def token_routed(module: nn.Module) -> bool:
+    return callable(getattr(module, "route", None)) and hasattr(module, "n_experts")
+
+
 def routed_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's routed MoE layers, in depth order."""
-    return [m for m in model.modules() if callable(getattr(m, "route", None)) and hasattr(m, "n_experts")]
+    """The model's routed layers of either kind (module docstring), in depth order."""
+    return [m for m in model.modules() if token_routed(m) or hasattr(m, "routing_weights")]
 
 
 def js_divergence(p: list[float], q: list[float]) -> float:
@@ -67,35 +80,59 @@ class RoutingProbe:
 
     @torch.no_grad()
     def distributions(self, model: nn.Module, encoder: Encoder, task) -> list[list[float]]:
-        """Per routed layer, the share of the probe tokens' top-k assignments per expert."""
+        """Per routed layer, the share of the probe tokens' top-k assignments (token
+        routing) or of the probe sequences' expert weights (sequence routing) per expert."""
         layers = routed_layers(model)
         if not layers:
             return []
-        counts = [torch.zeros(layer.n_experts, dtype=torch.long) for layer in layers]
+        counts: list[torch.Tensor | None] = [None] * len(layers)  # (E,) per layer, float64
         keep: dict[str, torch.Tensor] = {}
+
+        def add(i: int, per_expert: torch.Tensor) -> None:
+            per_expert = per_expert.double().cpu()
+            old = counts[i]
+            if old is not None and old.numel() < per_expert.numel():
+                per_expert[: old.numel()] += old
+            elif old is not None:
+                per_expert = old + per_expert
+            counts[i] = per_expert
 
         def count(i):
             def pre(module, args):
-                x = args[0].reshape(-1, args[0].shape[-1])[keep["mask"]]
-                _, _, indices = module.route(x)
-                counts[i] += torch.bincount(indices.reshape(-1).cpu(), minlength=module.n_experts)
+                if token_routed(module):
+                    x = args[0].reshape(-1, args[0].shape[-1])[keep["mask"]]
+                    _, _, indices = module.route(x)
+                    add(i, torch.bincount(indices.reshape(-1), minlength=module.n_experts))
+                else:
+                    keep[f"before{i}"] = module.routing_weights
             return pre
+
+        def weighed(i):
+            def post(module, args, output):
+                if token_routed(module):
+                    return
+                w = module.routing_weights  # (B, E); the same object: this forward did not route
+                if w is not None and w is not keep.pop(f"before{i}", None):
+                    add(i, w.float().sum(dim=0))
+            return post
 
         rows = [encoder.train_example(e.prompt, e.answer) for e in task.test[: self.n_examples]]
         device = device_of(model)
-        handles = [layer.register_forward_pre_hook(count(i)) for i, layer in enumerate(layers)]
+        handles = [h for i, layer in enumerate(layers)
+                   for h in (layer.register_forward_pre_hook(count(i)), layer.register_forward_hook(weighed(i)))]
         try:
             with eval_mode(model):
                 for start in range(0, len(rows), self.batch_size):
                     batch = collate(rows[start:start + self.batch_size], encoder.tokenizer.pad_token_id)
                     mask = batch["attention_mask"].bool().to(device)
                     keep["mask"] = mask.reshape(-1)
+                    # labels: sequence-routed layers pool the prompt, as in training
                     model(input_ids=batch["input_ids"].to(device), attention_mask=mask.long(),
-                          use_cache=False)
+                          labels=batch["labels"].to(device), use_cache=False)
         finally:
             for handle in handles:
                 handle.remove()
-        return [(c.double() / max(int(c.sum()), 1)).tolist() for c in counts]
+        return [[] if c is None else (c / max(float(c.sum()), 1e-12)).tolist() for c in counts]
 
     def after_stage(self, model: nn.Module, encoder: Encoder, tasks: list) -> dict[str, dict[str, list]]:
         """Probe every task in `tasks` (those trained so far). A task seen for the

@@ -148,6 +148,12 @@ class CareMLP(nn.Module):
         self.control = control
         self.routing: torch.Tensor | None = None  # (B, n): the last pooled forward's weights
 
+    @property
+    def routing_weights(self) -> torch.Tensor | None:
+        """(B, n) expert weights of the last pooled forward (read by the routing-drift
+        probe, cl_bench/analysis/routing.py)."""
+        return self.routing
+
     def add_triplet(self) -> None:
         """Task n's triplet; its expert is the mean of experts 0..n-2 when n >= 2 (the code)."""
         n = len(self.triplets)

@@ -93,6 +93,12 @@ class SAMELinear(nn.Module):
         z = z * w[:, experts].repeat_interleave(self.rank, dim=1).unsqueeze(1).to(z.dtype)
         return out + self.scale * (z @ b.T)
 
+    @property
+    def routing_weights(self) -> torch.Tensor | None:
+        """w (B, E) of the last routed forward (read by the routing-drift probe,
+        cl_bench/analysis/routing.py)."""
+        return self.weights
+
     def _route(self, x: torch.Tensor) -> torch.Tensor:
         """w (B, E) from the prompt mean of this linear's routing probabilities."""
         r = self.routing

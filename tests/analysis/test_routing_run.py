@@ -34,6 +34,20 @@ def test_an_upcycle_run_records_routing_drift_of_earlier_tasks(trace_dir, tmp_pa
     assert (run_dir / "routing.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize("method", ["same", "care"])
+def test_runs_that_route_per_sequence_record_routing_drift(trace_dir, tmp_path, method):
+    """SAME's routed linears and CaRE's layers weight experts per sequence: the
+    probe records their mean weights (shares summing to 1) and, from the stage
+    after a task, their JS. Mutation caught: the probe seeing token routers only."""
+    out = tmp_path / "runs"
+    assert run_cli(*smoke_args(trace_dir, out, "--method", method, "--set", "eval.routing_probe=2")) == 0
+    by_stage = routing(only_run(out))
+    assert sorted(by_stage) == ["0", "1", "2"]
+    first = by_stage["2"]["NumGLUE-cm"]
+    assert first["shares"] and all(sum(layer) == pytest.approx(1, abs=1e-4) for layer in first["shares"])
+    assert len(first["js"]) == len(first["shares"]) and all(0 <= v <= 1 for v in first["js"])
+
+
 def test_a_dense_run_records_no_routing(trace_dir, tmp_path):
     out = tmp_path / "runs"
     assert run_cli(*smoke_args(trace_dir, out, "--set", "eval.routing_probe=2")) == 0

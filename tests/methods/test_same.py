@@ -579,3 +579,33 @@ def test_smoke_run_and_resume(trace_dir, tmp_path, monkeypatch):
     assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
     resumed = json.loads((run_dir / "run.json").read_text())
     assert resumed["matrix"] == record["matrix"] and resumed["params"] == record["params"]
+
+
+# ---- the routing-drift probe ---------------------------------------------------------------
+
+def test_the_routing_probe_reads_each_routed_linears_prompt_pooled_weights():
+    """cl_bench/analysis/routing.py probes SAME's routed linears: per linear, the
+    share of expert e is the probe sequences' mean weight w_b[e], the prompt pooled
+    as in training. Mutations caught: no `routing_weights` (nothing probed), the
+    probe's forward without labels (the answers pooled too)."""
+    from cl_bench.analysis.routing import RoutingProbe, routed_layers
+    from cl_bench.benchmarks.trace.loader import Example
+    from cl_bench.data import Encoder, collate
+    from cl_bench.models.modes import eval_mode
+
+    method, model = make()
+    _, tokenizer, _ = tiny_llama(0)
+    encoder = Encoder.from_config(tokenizer, TrainConfig(max_prompt_len=96, max_answer_len=16, truncation_head=16))
+    examples = [Example(f"Question: {i} plus {i + 1}? Answer:", f"{2 * i + 1} apples and pears", i) for i in range(4)]
+    task = SimpleNamespace(name="A", test=examples)
+    shares = RoutingProbe(n_examples=4).distributions(model, encoder, task)
+
+    layers = routed_layers(model)
+    assert len(layers) == len(list(method._wrappers())) == len(shares)
+    b = collate([encoder.train_example(e.prompt, e.answer) for e in examples], tokenizer.pad_token_id)
+    with eval_mode(model), torch.no_grad():
+        model(**b, use_cache=False)
+    for got, layer in zip(shares, layers):
+        mean = layer.weights.double().sum(0)
+        assert got == pytest.approx((mean / mean.sum()).tolist(), abs=1e-6)  # summed in fp32
+    assert len({tuple(round(v, 6) for v in s) for s in shares}) > 1  # the linears route differently
