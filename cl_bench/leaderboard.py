@@ -49,6 +49,7 @@ PARAMS = (
 # ParamReport's expansion_rate (share of candidate experts expanded), where the method reports one
 EXTRA = ["Added", "Expansion"]
 COUNTS = [col for _, col in PARAMS] + ["Added"]  # parameter counts: integers, shown as 134.5M
+SPREAD = [f"{col} std" for col in EXTRA]  # over seeds: a method's decisions (bilevel-cka's) differ by seed
 GROUP_KEYS = ["Method", "Args", "Model", "Profile", "Precision", "Order", "Reference"]
 MARKS = ["Last ≠ base", "BWT ≠ base", "Last ≠ best"]  # "yes" / "no" at 95%; "–" when not computable
 COLUMNS = (
@@ -57,6 +58,7 @@ COLUMNS = (
     + MARKS
     + [col for _, col in PARAMS]
     + EXTRA
+    + SPREAD
     + ["Wall time (min)"]
 )
 
@@ -192,8 +194,10 @@ def build_table(runs: list[RunRecord]) -> pd.DataFrame:
 
     Scores: mean and sample std (ddof=1; NaN for one run) over the group's runs,
     ignoring nulls, and the 95% interval ("lo", "hi") over items (and seeds).
-    Params: the last stage's report of the group's first run (params do not
-    depend on the seed). Wall time: mean total_s in minutes. Marks: MARKS.
+    Params: the last stage's report, mean over the group's runs (they differ by
+    seed where a method's decisions do, as bilevel-cka's Expand / Recycle), with
+    the sample std of Added and Expansion. Wall time: mean total_s in minutes.
+    Marks: MARKS.
     Sorted by Last Acc mean descending, reference rows last.
     """
     if not runs:
@@ -212,11 +216,12 @@ def build_table(runs: list[RunRecord]) -> pd.DataFrame:
     for _, stem in SCORES:
         agg[f"{stem} mean"] = (stem, "mean")
         agg[f"{stem} std"] = (stem, "std")
-    agg.update({col: (col, "first") for col in [c for _, c in PARAMS] + EXTRA})
+    agg.update({col: (col, "mean") for col in [c for _, c in PARAMS] + EXTRA})
+    agg.update({f"{col} std": (col, "std") for col in EXTRA})
     agg["Wall time (min)"] = ("Wall time (min)", "mean")
     table = flat.groupby(GROUP_KEYS, sort=False, dropna=False).agg(**agg).reset_index()
     for col in COUNTS:
-        table[col] = table[col].astype("Int64")
+        table[col] = table[col].round().astype("Int64")
     table = table.sort_values(
         ["Reference", "Last Acc mean", "Method"], ascending=[True, False, True], na_position="last"
     ).reset_index(drop=True)
@@ -267,8 +272,12 @@ def _display_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
                str(rec["Runs"])]
         row += [_score_cell(*(rec[f"{stem} {x}"] for x in ("mean", "std", "lo", "hi"))) for _, stem in SCORES]
         row += [MISSING if pd.isna(rec[col]) else rec[col] for col in MARKS]
-        row += [humanise(rec[col]) for col in COUNTS]
-        row.append(MISSING if pd.isna(rec["Expansion"]) else f"{100 * rec['Expansion']:.0f}%")
+        row += [humanise(rec[col]) for col in COUNTS[:-1]]
+        spread = rec["Added std"]
+        row.append(humanise(rec["Added"]) + ("" if pd.isna(spread) or not spread else f" ± {humanise(spread)}"))
+        spread = rec["Expansion std"]
+        row.append(MISSING if pd.isna(rec["Expansion"]) else f"{100 * rec['Expansion']:.0f}%"
+                   + ("" if pd.isna(spread) or not spread else f" ± {100 * spread:.0f}"))
         wall = rec["Wall time (min)"]
         row.append(MISSING if pd.isna(wall) else f"{wall:.1f}")
         rows.append(row)

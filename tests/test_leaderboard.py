@@ -316,3 +316,24 @@ def test_added_parameters_and_the_mean_expansion_rate_over_the_stages_that_repor
     assert row(df, "bilevel-cka")["Added"] == 3000 and row(df, "bilevel-cka")["Expansion"] == 0.375
     cells = [c.strip() for c in format_table(df, "md").strip().splitlines()[-1].strip("|").split("|")]
     assert cells[-3:] == ["3.0K", "38%", "10.0"]
+
+
+def test_added_parameters_and_expansion_are_means_over_seeds_with_their_std(tmp_path):
+    """bilevel-cka's decisions differ by seed, so do its added parameters: the row
+    shows their mean and std, never the first seed's. Mutation caught: params
+    taken from the group's first run."""
+    for seed, (added, rate) in enumerate([(1000, 0.2), (3000, 0.6), (2000, 0.4)], 1):
+        grown = [{"stage": b, "total": M135 + added * b, "trainable": 1, "active_per_token": M135,
+                  "deployed": M135 + added * b, "experts_per_layer": [8 + b], "expansion_rate": r}
+                 for b, r in enumerate([None, rate])]
+        write(tmp_path, make_run(f"moe-{seed}", method="bilevel-cka", seed=seed, params=grown))
+    write(tmp_path, make_run("flat", method="upcycle"))
+    df = build_table(load_runs(tmp_path))
+    moe = row(df, "bilevel-cka")
+    assert (moe["Added"], moe["Added std"]) == (2000, pytest.approx(1000))
+    assert (moe["Expansion"], moe["Expansion std"]) == (pytest.approx(0.4), pytest.approx(0.2))
+    assert row(df, "upcycle")["Added"] == 0 and pd.isna(row(df, "upcycle")["Added std"])
+    lines = format_table(df, "md").strip().splitlines()
+    cells = [c.strip() for c in next(l for l in lines if "bilevel-cka" in l).strip("|").split("|")]
+    assert cells[-3:-1] == ["2.0K ± 1.0K", "40% ± 20"]
+    assert "Added std" in format_table(df, "csv").splitlines()[0]
