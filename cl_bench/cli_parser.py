@@ -23,7 +23,7 @@ def _add_run(sub) -> None:
                                    "after each stage, and write <output-dir>/<run-id>/run.json.")
     p.add_argument("--method", help="method name (see `cl-bench list`); default seqft")
     p.add_argument("--model", help="smollm2-135m | tiny-llama | a local HF directory | a hub id")
-    p.add_argument("--profile", help="smoke | cpu | paper (default: the config file's, else cpu)")
+    p.add_argument("--profile", help="smoke | cpu | cpu-long | paper (default: the config file's, else cpu)")
     p.add_argument("--config", type=Path, help="YAML file of config fields (profile <- file <- flags)")
     p.add_argument("--seed", type=int)
     p.add_argument("--data-dir", help="TRACE data root (default: $CL_BENCH_DATA, then conventional places)")

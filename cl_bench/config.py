@@ -247,7 +247,7 @@ def parse_value(text: str, typ: Any, where: str) -> Any:
         value = _yaml_value(text, where)
         if not isinstance(value, dict):
             raise UserError(f"{where}={text!r} must be a mapping like {{key: value}}")
-        return value
+        return coerce(value, typ, where)  # each entry as the field's type says
     raise UserError(f"{where}: cannot parse a value of type {typ}")
 
 
@@ -280,7 +280,7 @@ def coerce(value: Any, typ: Any, where: str) -> Any:
         return float(value)
     if typ in (int, float, bool, str) and not isinstance(value, typ) or (
             typ is int and isinstance(value, bool)):
-        raise UserError(f"{where}={value!r} must be a {typ.__name__}")
+        raise UserError(f"{where}={value!r} must be {'an' if typ is int else 'a'} {typ.__name__}")
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise UserError(f"{where}={value!r} must be a list")

@@ -132,3 +132,9 @@ def test_set_one_entry_of_a_mapping_takes_the_entrys_type():
     set_dotted(bad, "data.n_train_per_task.Py150", "many")
     with pytest.raises(UserError, match=r"data.n_train_per_task.Py150='many' is not a valid int"):
         resolve("cpu", None, bad)
+    # the whole mapping at once (a YAML flow mapping) gets the same checks
+    whole = resolve("cpu", None, {"train": {"lr_by_family": "{full: 1e-4}"}})
+    assert whole.train.lr_by_family["full"] == 1e-4
+    for text, message in (("{Py150: many}", "Py150='many' is not a valid int"), ("{Py150: 6.5}", "Py150=6.5 must be an int")):
+        with pytest.raises(UserError, match=message):
+            resolve("cpu", None, {"data": {"n_train_per_task": text}})

@@ -112,12 +112,12 @@ def test_zero_shot_row_next_task_scores_sizes_majority_and_intervals(trace_dir, 
 
 @pytest.mark.parametrize("setting, message", [
     ("train.epochs_per_task={Py15O: 2}", "'Py15O' is not a TRACE task; did you mean 'Py150'?"),
-    ("train.epochs_per_task={Py150: abc}", "train.epochs_per_task.Py150='abc' must be a whole number >= 1"),
+    ("train.epochs_per_task={Py150: abc}", "train.epochs_per_task.Py150='abc' is not a valid int"),
     ("train.epochs_per_task={Py150: -3}", "train.epochs_per_task.Py150=-3 must be a whole number >= 1"),
     ("data.n_test_per_task={FOMK: 4}", "data.n_test_per_task: 'FOMK' is not a TRACE task; did you mean 'FOMC'?"),
     ("data.test_split=train", "data.test_split='train' must be 'test' or 'eval'"),
     ("train.precision=fp16", "train.precision='fp16' must be one of auto, fp32, bf16"),
-    ("train.lr_by_family={full: -1}", "train.lr_by_family.full=-1 must be a positive number"),
+    ("train.lr_by_family={full: -1}", "train.lr_by_family.full=-1.0 must be a positive number"),
 ])
 def test_bad_per_task_and_precision_settings_fail_in_one_line(trace_dir, tmp_path, capsys, setting, message):
     assert run_cli(*smoke_args(trace_dir, tmp_path / "runs", "--set", setting)) == 2

@@ -254,41 +254,45 @@ class DeepSpeedBackend(Backend):
         phase = ZeroPhase(self.ds, method.model, optimizer, method.make_optimizer, self.ds_config,
                           self.config.deepspeed.zero, self.bf16)
         engine = phase.engine
-        step = replayed = 0
-        for epoch, rows in enumerate(epochs):
-            order = epoch_order(len(rows), self.config.seed, stage.label, epoch)
-            for batch in steps(rows, order, t.batch_size, t.micro_batch_size, pad_id):
-                jobs = [_Job(m, int((m["labels"] != IGNORE).sum()) / max(batch.n_tokens, 1), method.loss, "")
-                        for m in batch.micro_batches]
-                if replay_rows:
-                    rows_r = sample_rows(replay_rows, t.micro_batch_size,
-                                         f"{self.config.seed}/{stage.label}/{epoch}/{step}")
-                    jobs.append(_Job(collate(rows_r, pad_id), 1.0, method.replay_loss, "replay_"))
-                    replayed += len(rows_r)
-                parts: dict[str, float] = {}
-                mine = self._share(jobs)
-                for i, (j, job) in enumerate(mine):
-                    engine.set_gradient_accumulation_boundary(i == len(mine) - 1)
-                    micro = {k: v.to(self.device) for k, v in job.micro.items()}
-                    with self._seeded(f"{self.config.seed}/{stage.label}/{epoch}/{step}/{j}"):
-                        loss, named = engine(job.hook, micro, step)
-                    # the engine averages over ranks: the weights add up to 1 over all of them
-                    engine.backward(loss * (job.weight * self.world_size), scale_wrt_gas=False)
-                    if job.prefix == "":
-                        for key, value in named.items():
-                            parts[key] = parts.get(key, 0.0) + value * job.weight
-                    elif job.prefix:
-                        parts.update({job.prefix + k: v for k, v in named.items()})
-                parts = self._sum_parts(parts)
-                method.before_step(step)
-                phase.sync_hyperparameters()
-                engine.step()
-                if t.grad_clip > 0:
-                    parts["grad_norm"] = float(engine.get_global_grad_norm())
-                method.after_step(step)
-                if on_step is not None:
-                    on_step(step, parts)
-                step += 1
+        try:
+            step = replayed = 0
+            for epoch, rows in enumerate(epochs):
+                order = epoch_order(len(rows), self.config.seed, stage.label, epoch)
+                for batch in steps(rows, order, t.batch_size, t.micro_batch_size, pad_id):
+                    jobs = [_Job(m, int((m["labels"] != IGNORE).sum()) / max(batch.n_tokens, 1), method.loss, "")
+                            for m in batch.micro_batches]
+                    if replay_rows:
+                        rows_r = sample_rows(replay_rows, t.micro_batch_size,
+                                             f"{self.config.seed}/{stage.label}/{epoch}/{step}")
+                        jobs.append(_Job(collate(rows_r, pad_id), 1.0, method.replay_loss, "replay_"))
+                        replayed += len(rows_r)
+                    parts: dict[str, float] = {}
+                    mine = self._share(jobs)
+                    for i, (j, job) in enumerate(mine):
+                        engine.set_gradient_accumulation_boundary(i == len(mine) - 1)
+                        micro = {k: v.to(self.device) for k, v in job.micro.items()}
+                        with self._seeded(f"{self.config.seed}/{stage.label}/{epoch}/{step}/{j}"):
+                            loss, named = engine(job.hook, micro, step)
+                        # the engine averages over ranks: the weights add up to 1 over all of them
+                        engine.backward(loss * (job.weight * self.world_size), scale_wrt_gas=False)
+                        if job.prefix == "":
+                            for key, value in named.items():
+                                parts[key] = parts.get(key, 0.0) + value * job.weight
+                        elif job.prefix:
+                            parts.update({job.prefix + k: v for k, v in named.items()})
+                    parts = self._sum_parts(parts)
+                    method.before_step(step)
+                    phase.sync_hyperparameters()
+                    engine.step()
+                    if t.grad_clip > 0:
+                        parts["grad_norm"] = float(engine.get_global_grad_norm())
+                    method.after_step(step)
+                    if on_step is not None:
+                        on_step(step, parts)
+                    step += 1
+        except BaseException:  # the process may go on (an interrupted run saving, a test): torch's F.linear back
+            phase.restore_linear()
+            raise
         phase.close()
         return replayed
 

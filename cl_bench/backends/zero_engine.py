@@ -211,7 +211,7 @@ class ZeroPhase:
                     with self.ds.zero.GatheredParameters([p]):
                         values[p] = p.data.detach().clone()
         self.engine.destroy()
-        torch.nn.functional.linear = self._linear
+        self.restore_linear()
         # The engine's __del__ calls destroy() again when it is collected, which would
         # unlink the parameters from whatever engine holds them by then: drop its optimiser.
         self.engine.optimizer = None
@@ -229,6 +229,10 @@ class ZeroPhase:
         self.optimizer.state.update(state)
         self.engine = self.ds_optimizer = None
         gc.collect()  # the engine's buffers sit in reference cycles: free them before the next one
+
+    def restore_linear(self) -> None:
+        """Put back the F.linear this phase found (ZeRO-3 replaced it for the process)."""
+        torch.nn.functional.linear = self._linear
 
     def _read_state(self) -> dict[nn.Parameter, dict[str, Any]]:
         inner = self.engine.optimizer.optimizer

@@ -220,6 +220,14 @@ def test_zero3_trains_added_experts_checkpoints_and_resumes(trace_dir, tmp_path,
     run = prepare(config, progress=False)
     execute(run)
     assert torch.nn.functional.linear is linear  # ZeRO-3's own F.linear does not outlive the engine
+    from cl_bench.methods.upcycle import Upcycle
+
+    def interrupt(self, batch, step):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Upcycle, "loss", interrupt)  # inside the phase: the engine exists
+    assert run_cli(*smoke_args(trace_dir, tmp_path / "stopped", *flags)) == 130
+    assert torch.nn.functional.linear is linear  # nor an engine stopped by an interrupt
+    monkeypatch.undo()
     drift = _expert_drift(run.method.model)
     assert len(drift) == 2 and all(len(groups) == 3 for groups in drift)
     assert all(d > 1e-4 for groups in drift for d in groups), drift  # every stage's new group moved
