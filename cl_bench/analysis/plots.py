@@ -192,7 +192,7 @@ def cka(record: RunRecord, path: Path) -> Path | None:
 
 def routing(record: RunRecord, path: Path) -> Path | None:
     """Routing drift (cl_bench/analysis/routing.py): left, each earlier task's JS
-    divergence from its routing right after it was learned, mean over MoE layers,
+    divergence from its routing right after it was learned, mean over routed layers,
     by stage; right, the last stage's JS per layer and task."""
     plt = _pyplot()
     by_stage = (record.probes or {}).get("routing") or {}
@@ -207,7 +207,7 @@ def routing(record: RunRecord, path: Path) -> Path | None:
         axes[0].plot(*zip(*points), marker=".", label=task)
     axes[0].set_xlabel("after stage")
     axes[0].xaxis.get_major_locator().set_params(integer=True)
-    axes[0].set_ylabel("JS divergence (bits), mean over MoE layers")
+    axes[0].set_ylabel("JS divergence (bits), mean over routed layers")
     axes[0].set_ylim(0, 1)
     axes[0].legend(fontsize=7)
     last = stages[-1]
@@ -215,7 +215,7 @@ def routing(record: RunRecord, path: Path) -> Path | None:
     grid = [by_stage[last][t]["js"] for t in shown]
     image = axes[1].imshow(grid, cmap="viridis", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
     axes[1].set_yticks(range(len(shown)), shown, fontsize=7)
-    axes[1].set_xlabel("MoE layer (depth order)")
+    axes[1].set_xlabel("routed layer (depth order)")
     axes[1].xaxis.get_major_locator().set_params(integer=True)
     axes[1].set_title(f"after stage {int(last) + 1}", fontsize=9)
     fig.colorbar(image, ax=axes[1], label="JS (bits)")
