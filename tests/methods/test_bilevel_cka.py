@@ -348,7 +348,7 @@ def test_the_clones_train_with_the_optimiser_the_sequencer_carries_over():
 def _outer_updates(profile: str, args: BilevelCKAArgs) -> dict[str, int]:
     """Outer updates per paper6 task of bilevel-cka on `profile`, from the stage's
     step count as the sequencer batches it (no data loaded)."""
-    from benchmarks.trace.tasks import ORDERS
+    from cl_bench.benchmarks.trace.tasks import ORDERS
     from cl_bench.config import resolve
 
     config = resolve(profile, None, {})
