@@ -273,15 +273,18 @@ def _display_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
         row += [_score_cell(*(rec[f"{stem} {x}"] for x in ("mean", "std", "lo", "hi"))) for _, stem in SCORES]
         row += [MISSING if pd.isna(rec[col]) else rec[col] for col in MARKS]
         row += [humanise(rec[col]) for col in COUNTS[:-1]]
-        spread = rec["Added std"]
-        row.append(humanise(rec["Added"]) + ("" if pd.isna(spread) or not spread else f" ± {humanise(spread)}"))
-        spread = rec["Expansion std"]
-        row.append(MISSING if pd.isna(rec["Expansion"]) else f"{100 * rec['Expansion']:.0f}%"
-                   + ("" if pd.isna(spread) or not spread else f" ± {100 * spread:.0f}"))
+        row.append(_with_spread(humanise(rec["Added"]), rec["Added std"], humanise))
+        row.append(MISSING if pd.isna(rec["Expansion"]) else
+                   _with_spread(f"{100 * rec['Expansion']:.0f}%", rec["Expansion std"], lambda s: f"{100 * s:.0f}"))
         wall = rec["Wall time (min)"]
         row.append(MISSING if pd.isna(wall) else f"{wall:.1f}")
         rows.append(row)
     return headers, rows
+
+
+def _with_spread(text: str, std, fmt) -> str:
+    """`text ± fmt(std)` where the seeds differ (std > 0), else `text`."""
+    return text if pd.isna(std) or not std else f"{text} ± {fmt(std)}"
 
 
 def _method_labels(df: pd.DataFrame) -> list[str]:

@@ -90,12 +90,7 @@ class RoutingProbe:
 
         def add(i: int, per_expert: torch.Tensor) -> None:
             per_expert = per_expert.double().cpu()
-            old = counts[i]
-            if old is not None and old.numel() < per_expert.numel():
-                per_expert[: old.numel()] += old
-            elif old is not None:
-                per_expert = old + per_expert
-            counts[i] = per_expert
+            counts[i] = per_expert if counts[i] is None else counts[i] + per_expert
 
         def count(i):
             def pre(module, args):
