@@ -6,14 +6,18 @@ submitit's local executor (real job processes, a real time limit, a real requeue
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from cl_bench import results
 from cl_bench.campaign import code as pinning
-from cl_bench.campaign import estimate
+from cl_bench.campaign import estimate, launch
 from cl_bench.campaign.plan import read_plan, recorded
 from cl_bench.errors import UserError
 from helpers import interrupted_run, run_cli, smoke_args
@@ -226,35 +230,76 @@ def test_a_campaign_runs_a_clones_code_finishes_every_run_and_leaves_the_complet
     assert len(imported) == 2 and all(Path(p).resolve().is_relative_to(code.resolve()) for p in imported)
 
 
+def _preempt_when_checkpointed(run_dir: Path, done: threading.Event) -> None:
+    """Once `run_dir` has an in-stage checkpoint, send SIGUSR2 (Slurm's preemption
+    signal as submitit sets it up) to the job process running it: the parent of its
+    `cl-bench run` process."""
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and not done.is_set():
+        if results.has_checkpoint(run_dir, results.STEP_CHECKPOINT_DIR):
+            for proc in Path("/proc").glob("[0-9]*"):
+                try:
+                    argv = (proc / "cmdline").read_bytes().split(b"\0")
+                    parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+                if b"cl_bench.cli" in argv and str(run_dir.name).encode() in argv:
+                    os.kill(parent, signal.SIGUSR2)
+                    return
+        time.sleep(0.1)
+
+
 @pytest.mark.slow
-def test_slurm_jobs_through_submitit_finish_a_run_stopped_at_its_time_limit_and_rerun_nothing(
-        trace_dir, tmp_path, capsys):
+def test_slurm_jobs_through_submitit_finish_a_preempted_run_and_rerun_nothing(trace_dir, tmp_path, capsys):
     """Two smoke runs as jobs of submitit's local executor (real processes under its
-    controller). The first is long: its job reaches its time limit, gets the
-    timeout signal, stops its run (SIGTERM: the record says interrupted), and is
-    requeued; the requeued job resumes the run from its in-stage checkpoint. Then
-    the campaign again says both are done and submits nothing. Mutations caught: a
-    job that is not requeued (checkpoint() missing: the run stays interrupted), a
-    requeued job that starts the run afresh (its record would have no resume)."""
+    controller, which requeues a job that asks for it). The first job is preempted
+    (SIGUSR2, as Slurm signals it) once its run has an in-stage checkpoint: it stops
+    the run (SIGTERM: the record says interrupted) and is requeued, and the requeued
+    job resumes the run from that checkpoint. Then the campaign again says both are
+    done and submits nothing. Mutations caught: a job that is not requeued
+    (checkpoint() missing: the run stays interrupted and the job fails), a requeued
+    job that starts the run afresh (no in-stage resume in its record)."""
     out = tmp_path / "out"
     base = f"--profile smoke --data-dir {trace_dir} --method seqft --method-arg lr=1e-3"
-    long = "--set train.epochs=100 --set train.checkpoint_every_s=0"  # longer than a job's time limit
+    long = "--set train.epochs=30 --set train.checkpoint_every_s=0"
     path = tmp_path / "plan.txt"
     path.write_text(f"{out}/long: {base} {long}\n{out}/short: {base}\n")
     settings = tmp_path / "slurm.yaml"
-    settings.write_text("executor: local\ntime_min: 0.4\nsignal_delay_s: 8\nmax_requeues: 5\ncpus_per_task: 1\n")
+    settings.write_text("executor: local\ntime_min: 20\nmax_requeues: 2\ncpus_per_task: 1\n")
     args = [str(path), "--launcher", "slurm", "--slurm", str(settings), "--code", str(ROOT)]
-    assert campaign(*args, "--wait", root=tmp_path) == 0
+    done = threading.Event()
+    preempt = threading.Thread(target=_preempt_when_checkpointed, args=(out / "long", done))
+    preempt.start()
+    try:
+        assert campaign(*args, "--wait", root=tmp_path) == 0
+    finally:
+        done.set()
+        preempt.join()
     said = capsys.readouterr().out
     assert said.count("submitted") == 2 and said.count("finished") == 2, said
     long_run = json.loads((out / "long" / "run.json").read_text())
     short_run = json.loads((out / "short" / "run.json").read_text())
     assert long_run["status"] == short_run["status"] == "complete"
-    assert any("at_step" in r for r in long_run["resumes"]), long_run["resumes"]
+    assert [list(r) for r in long_run["resumes"]] and any("at_step" in r for r in long_run["resumes"]), long_run
     assert not short_run.get("resumes")
+    assert "preempted" in "".join(p.read_text() for p in (tmp_path / ".campaign" / "slurm").glob("*_log.err"))
 
     before = {name: (out / name / "run.json").read_bytes() for name in ("long", "short")}
     assert campaign(*args, "--wait", root=tmp_path) == 0
     again = capsys.readouterr().out
     assert "submitted" not in again and [r[0] for r in _table(again)] == ["done", "done"]
     assert {name: (out / name / "run.json").read_bytes() for name in ("long", "short")} == before
+
+
+def test_the_sbatch_script_carries_the_settings(tmp_path):
+    """What Slurm would be given (submitit writes the script; no sbatch is called)."""
+    settings = tmp_path / "slurm.yaml"
+    settings.write_text("partition: cpu\ntime_min: 90\nsignal_delay_s: 60\ncpus_per_task: 2\nmem_gb: 24\n"
+                        "additional: {account: lab}\n")
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    params = launch.sbatch_parameters(launch.SlurmSettings.load(settings))
+    script = _make_sbatch_string(command="python -m x", folder=tmp_path, **params)
+    for line in ("--partition=cpu", "--time=90", "--signal=USR2@60", "--cpus-per-task=2", "--mem=24GB",
+                 "--account=lab"):
+        assert f"#SBATCH {line}" in script, (line, script)

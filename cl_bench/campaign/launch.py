@@ -10,6 +10,7 @@ tree, does not go first on sys.path); logs go to .campaign/logs/<run id>.log.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -191,28 +192,42 @@ def _ignore_preemption() -> None:
 
 
 def executor(settings: SlurmSettings, folder: Path):
-    """submitit's executor for `settings` (AutoExecutor: the cluster's name prefixes
-    the settings only one kind of executor knows)."""
+    """submitit's executor for `settings`: Slurm's (sbatch), or its local one (real
+    processes under a controller that enforces the time limit and requeues: tests),
+    or its debug one (in this process)."""
     try:
         import submitit
     except ImportError:
         raise UserError("--launcher slurm needs submitit: pip install 'cl-bench[slurm]'") from None
-    kind = settings.executor
-    ex = submitit.AutoExecutor(folder=folder, cluster=kind, slurm_max_num_timeout=settings.max_requeues,
-                               local_max_num_timeout=settings.max_requeues)
-    params: dict[str, Any] = {"timeout_min": settings.time_min, "cpus_per_task": settings.cpus_per_task,
-                              "gpus_per_node": settings.gpus_per_node, "tasks_per_node": 1, "nodes": 1}
-    if settings.mem_gb is not None:
-        params["mem_gb"] = settings.mem_gb
-    if kind in ("slurm", "local"):  # the preemption/timeout signal comes this long before the limit
-        params[f"{kind}_signal_delay_s"] = settings.signal_delay_s
-    if kind == "slurm":
-        if settings.partition:
-            params["slurm_partition"] = settings.partition
-        if settings.additional:
-            params["slurm_additional_parameters"] = dict(settings.additional)
-    ex.update_parameters(**params)
+    if settings.executor == "debug":
+        return submitit.DebugExecutor(folder)
+    if settings.executor == "local":
+        ex = submitit.LocalExecutor(folder, max_num_timeout=settings.max_requeues)
+        ex.update_parameters(timeout_min=settings.time_min, signal_delay_s=settings.signal_delay_s,
+                             tasks_per_node=1, gpus_per_node=settings.gpus_per_node)
+        return ex
+    try:
+        ex = submitit.SlurmExecutor(folder, max_num_timeout=settings.max_requeues)
+    except RuntimeError as e:  # no srun: not a Slurm machine
+        raise UserError(f"--launcher slurm: {e} (run from a Slurm login node, or set executor: local in the "
+                        f"settings file to run the jobs on this machine)") from None
+    ex.update_parameters(**sbatch_parameters(settings))
     return ex
+
+
+def sbatch_parameters(settings: SlurmSettings) -> dict[str, Any]:
+    """The settings as submitit's SlurmExecutor parameters (its #SBATCH lines)."""
+    params: dict[str, Any] = {"time": math.ceil(settings.time_min), "cpus_per_task": settings.cpus_per_task,
+                              "signal_delay_s": settings.signal_delay_s, "ntasks_per_node": 1, "nodes": 1}
+    if settings.gpus_per_node:
+        params["gpus_per_node"] = settings.gpus_per_node
+    if settings.mem_gb is not None:
+        params["mem"] = f"{math.ceil(settings.mem_gb)}GB"
+    if settings.partition:
+        params["partition"] = settings.partition
+    if settings.additional:
+        params["additional_parameters"] = dict(settings.additional)
+    return params
 
 
 def jobs_file(root: Path) -> Path:
