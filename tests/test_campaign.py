@@ -88,6 +88,32 @@ def test_a_run_whose_lock_is_held_is_shown_running_and_not_launched(plan, capsys
     assert _table(capsys.readouterr().out)[1] == ["running", f"{out}/b/cut"]
 
 
+@pytest.mark.slow
+def test_a_run_another_process_runs_holds_a_slot_until_it_ends(plan, tmp_path):
+    """With --slots 1 and the interrupted run held by another process (an earlier
+    campaign's), the new run starts only once that lock is released. Mutation caught:
+    the slots counting only this process's runs (the new run starts at once)."""
+    path, out = plan
+    path.write_text("".join(line for line in path.read_text().splitlines(keepends=True) if "/a/done" not in line))
+    released = []
+
+    def hold():
+        with results.lock_run(out / "b" / "cut"):
+            time.sleep(8)
+            released.append((out / "new").exists())  # not started while the slot was taken
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    time.sleep(0.5)
+    try:
+        # the held run is skipped (it is running); the new one waits for its slot
+        assert campaign(str(path), "--slots", "1", "--code", str(ROOT), root=tmp_path) == 0
+    finally:
+        holder.join()
+    started = json.loads((out / "new" / "run.json").read_text())
+    assert started["status"] == "complete" and released == [False]
+
+
 def test_a_resumed_run_takes_the_commit_it_started_from_and_says_what_the_line_changed(plan, capsys):
     """Mutations caught: resuming with HEAD's code (two versions in one run), a run
     from an unknown commit resumed anyway, a changed line passed over in silence."""

@@ -5,8 +5,8 @@ estimated hours.
 - A complete run is skipped; one with a record that is not complete (interrupted,
   failed, or running when its machine went away) is continued with `cl-bench run
   --resume` (which loses at most the last checkpoint interval); one whose folder's
-  lock is held, or whose Slurm job is still queued or running, is left alone; the
-  others are started.
+  lock is held, or whose Slurm job is still queued or running, is left alone (a
+  local one holds one of --slots while it runs); the others are started.
 - Each run imports a clone of its commit (cl_bench/campaign/code.py): HEAD for a new
   run, the commit it started from for a resumed one.
 - Precision: on a CPU without native bf16 (AVX-512 BF16 or AMX), a run whose train or
@@ -51,7 +51,7 @@ def survey(plan: Path, entries: list[Entry], root: Path, args, native: bool):
     lines refused for their precision)."""
     timings = estimate.Timings(root / args.records, root)
     queued = launch.queued(root)
-    todo, refused, left_h, unknown, n_left = [], [], 0.0, 0, 0
+    todo, refused, elsewhere, left_h, unknown, n_left = [], [], [], 0.0, 0, 0
     print(f"{'state':8s} {'hours':>7s}  run  (precision, code; estimate from)", flush=True)
     for entry in entries:
         try:
@@ -94,10 +94,12 @@ def survey(plan: Path, entries: list[Entry], root: Path, args, native: bool):
             left_h += hours
         if not busy:
             todo.append((entry, what, code))
+        elif is_running(entry.folder(root)):
+            elsewhere.append(entry.folder(root))
     slots = args.slots
     print(f"total left: {n_left} runs, {left_h:.1f} h at one thread a run ({left_h / slots:.1f} h on {slots} "
           f"slots){f'; {unknown} without an estimate' if unknown else ''}", flush=True)
-    return todo, refused
+    return todo, refused, elsewhere
 
 
 def main(args) -> int:
@@ -113,7 +115,7 @@ def main(args) -> int:
     if args.launcher == "slurm" and settings is None:
         raise UserError("--launcher slurm needs --slurm FILE: the Slurm settings (partition, time_min, "
                         "cpus_per_task, gpus_per_node; see `cl-bench campaign --help`)")
-    todo, refused = survey(args.plan, entries, root, args, native_bf16(torch.device("cpu")))
+    todo, refused, elsewhere = survey(args.plan, entries, root, args, native_bf16(torch.device("cpu")))
     if args.status:
         return 0
     if refused:
@@ -129,4 +131,4 @@ def main(args) -> int:
     todo = [(entry, what, paths[c]) for entry, what, c in todo]
     if settings is not None:
         return launch.run_slurm(todo, root, settings, args.wait)
-    return launch.run_local(todo, root, args.slots, args.threads)
+    return launch.run_local(todo, root, args.slots, args.threads, elsewhere)

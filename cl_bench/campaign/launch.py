@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from cl_bench import results
-from cl_bench.campaign.plan import Entry
+from cl_bench.campaign.plan import Entry, is_running
 from cl_bench.errors import UserError
 
 POLL_S = 2.0
@@ -45,17 +45,20 @@ def _now() -> str:
     return time.strftime("%H:%M:%S")
 
 
-def run_local(todo: list[tuple[Entry, str, Path]], root: Path, slots: int, threads: int) -> int:
+def run_local(todo: list[tuple[Entry, str, Path]], root: Path, slots: int, threads: int,
+              elsewhere: list[Path] = ()) -> int:
     """Run (entry, action, code) `slots` at a time; 0 when every run finished, 1 when
     one failed, 130 on Ctrl-C (each run saves what it has and stops; run the same
-    command again to continue)."""
+    command again to continue). `elsewhere`: folders of the plan's runs that another
+    process is running (an earlier campaign's): each holds a slot while its lock is held."""
     logs = root / ".campaign" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     running: dict[subprocess.Popen, tuple[Entry, float]] = {}
     failed = 0
     try:
         while todo or running:
-            while todo and len(running) < slots:
+            busy = sum(1 for folder in elsewhere if is_running(folder))
+            while todo and len(running) + busy < slots:
                 entry, what, code = todo.pop(0)
                 with open(logs / f"{entry.run_id}.log", "a", encoding="utf-8") as log:
                     # its own session: a Ctrl-C reaches the campaign, which passes one SIGINT on
