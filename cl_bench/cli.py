@@ -1,4 +1,4 @@
-"""`cl-bench`: run | show | compare | list | leaderboard | analyze | score | params | perf.
+"""`cl-bench`: run | show | compare | list | leaderboard | site | analyze | score | params | perf.
 
 Bad input raises UserError anywhere below; here it becomes one line on stderr
 and exit code 2 (a traceback only with --debug).
@@ -146,6 +146,13 @@ def cmd_leaderboard(args) -> int:
     return 0
 
 
+def cmd_site(args) -> int:
+    from cl_bench.site.build import build_site
+
+    print(build_site(args.runs, args.out, args.exclude, args.include, browser=not args.no_browser))
+    return 0
+
+
 def cmd_analyze(args) -> int:
     from cl_bench.analysis.plots import analyze
 
@@ -267,7 +274,7 @@ def cmd_campaign(args) -> int:
     return campaign.main(args)
 
 
-COMMANDS = {"run": cmd_run, "campaign": cmd_campaign, "show": cmd_show, "compare": cmd_compare, "list": cmd_list, "leaderboard": cmd_leaderboard,
+COMMANDS = {"run": cmd_run, "campaign": cmd_campaign, "show": cmd_show, "compare": cmd_compare, "list": cmd_list, "leaderboard": cmd_leaderboard, "site": cmd_site,
             "analyze": cmd_analyze, "score": cmd_score, "params": cmd_params, "perf": cmd_perf}
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-DESCRIPTION = "`cl-bench`: run | show | compare | list | leaderboard | analyze | score | params | perf."
+DESCRIPTION = "`cl-bench`: run | show | compare | list | leaderboard | site | analyze | score | params | perf."
 
 
 def _kv(text: str) -> tuple[str, str]:
@@ -111,6 +111,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip run folders matching GLOB, relative to --runs (repeatable), e.g. 'sweeps/*'")
     p.add_argument("--include", action="append", default=[], metavar="GLOB",
                    help="only run folders matching GLOB (repeatable), e.g. 'bilevel-cka-*'")
+    p = sub.add_parser("site", help="the leaderboard and every run as a static web site (opens from disk)",
+                       description="Writes OUT/index.html (the leaderboard, one table per folder of runs), a page "
+                                   "per run, compare pages (each run against the baseline runs of its profile and "
+                                   "precision) and a prediction browser per run and task.")
+    p.add_argument("--runs", type=Path, default=Path("results"), help="folder of run folders")
+    p.add_argument("--out", type=Path, default=Path("site"), help="where the site goes (default site/)")
+    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="skip run folders matching GLOB, relative to --runs (repeatable)")
+    p.add_argument("--include", action="append", default=[], metavar="GLOB",
+                   help="only run folders matching GLOB (repeatable)")
+    p.add_argument("--no-browser", action="store_true",
+                   help="leave out the prediction browser (its pages copy every prompt and prediction); "
+                        "run pages still link predictions.jsonl")
     p = sub.add_parser("analyze", help="figures from a run record (heatmap, decisions, CKA, sharpness), "
                                        "written beside it")
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR")

@@ -1,7 +1,7 @@
 """The profiles: named sets of RunConfig fields (nested as in a config file) that
 a run starts from (`--profile`; cl_bench/config.py merges profile <- YAML file <-
 flags). Sizes of `cpu` were measured on 2 CPU cores so that SeqFT over paper6 on
-SmolLM2 takes about 20 minutes (README, "Profiles").
+SmolLM2 takes about 20 minutes (docs/protocol.md, "Profiles").
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "eval": {"batch_size": 4, "max_new_tokens_cap": 8},
     },
     "cpu": {
-        # Calibrated from the pilot runs in results/calibration/ (README, "How the cpu
-        # profile was chosen"): bf16 where the CPU has it; a learning rate per method
+        # Calibrated from the pilot runs in results/calibration/ (docs/results.md, "How
+        # the cpu profile was chosen"): bf16 where the CPU has it; a learning rate per method
         # family (full: the smallest at which SeqFT learns 4 of 6 tasks and forgets,
         # BWT <= -5; adapter, expert: the highest learning gain on the eval split);
         # more training examples where steps are cheap (NumGLUE's short answers);

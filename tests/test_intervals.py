@@ -102,6 +102,9 @@ def test_compare_gives_paired_differences(tmp_path, capsys):
     assert bwt["diff"] == pytest.approx(75.0) and bwt["run"] == pytest.approx(-25.0)
     assert bwt["ci"][0] > 0 and bwt["p"] < 0.05
     assert comp["summaries"]["stage_acc"]["diff"] == pytest.approx(18.75)
+    first, second = (comp["tasks"][t] for t in make_record(forgets)[0]["tasks"])  # final scores per task
+    assert (first["run"], first["baseline"], first["diff"]) == (75.0, 0.0, 75.0) and first["ci"][0] > 0
+    assert second["diff"] == 0.0 and second["ci"] == (0.0, 0.0) and second["p"] == 1.0
     same = compare([a, a], resamples=100)["comparisons"][0]["summaries"]["last_acc"]
     assert same["ci"] == (0.0, 0.0) and same["p"] == 1.0 and same["diff"] == 0.0
     assert "not distinguishable" in format_comparison(compare([a, a], resamples=100))
