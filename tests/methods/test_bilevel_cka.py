@@ -26,10 +26,12 @@ PER_EXPERT = 3 * h * D + D + 1  # gate, up, down + router row and bias
 
 def make(**args):
     """The method after task 0 on the tiny Llama, its experts and rows moved off
-    their slices (a trained look), and the stage of task 1 begun."""
+    their slices (a trained look), and the stage of task 1 begun. Seeded: the router
+    rows of task 0's group come from the global generator."""
     cls = registry.get("bilevel-cka")
     method = cls(cls.parse_args({"lr": 1e-2, **args}), context=MethodContext.for_shapes(3))
     model, _, _ = tiny_llama(0)
+    torch.manual_seed(0)
     method.setup(model)
     method.before_task(Stage(0, [], "task 0"))
     with torch.no_grad():
@@ -320,8 +322,8 @@ def test_the_clones_train_with_the_optimiser_the_sequencer_carries_over():
     would never step, and the knowledge gain would measure untrained copies.
     Mutations caught: the clones left out of the carried optimiser (held), no step
     (every clone stepped). The gain's move is only required to be non-zero: over 4
-    steps it came out between 1.3e-4 and 1.2e-3 from run to run (also on one thread;
-    the source of the variation is not pinned down), too close to any fixed bound."""
+    steps it came out between 1.3e-4 and 1.2e-3 from run to run while `make` left
+    task 0's router rows to the unseeded global generator (seeded now)."""
     method, model = make(mask_every=2)
     previous = method.optimizer_for_stage(Stage(0, [], "task 0"), None)  # stage 0's: no clone yet
     stage = Stage(1, [], "task 1")
