@@ -18,7 +18,7 @@ from cl_bench.methods.bilevel_cka import BilevelCKAArgs, mask_schedule, reachabl
 from cl_bench.models import moe
 from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import params_command
-from helpers import answer_ce, interrupted_run, only_run, run_cli, smoke_args
+from helpers import answer_ce, final_weights, interrupted_run, only_run, run_cli, smoke_args
 
 D, K, h = 64, 8, 16
 PER_EXPERT = 3 * h * D + D + 1  # gate, up, down + router row and bias
@@ -411,7 +411,9 @@ def test_the_clones_train_with_the_optimiser_the_sequencer_carries_over():
     Mutations caught: the clones left out of the carried optimiser (held), no step
     (every clone stepped). The gain's move is only required to be non-zero: over 4
     steps it came out between 1.3e-4 and 1.2e-3 from run to run while `make` left
-    task 0's router rows to the unseeded global generator (seeded now)."""
+    task 0's router rows to the unseeded global generator (seeded now). That the
+    sequencer asks for a new optimiser each stage at all is tested through it:
+    test_smoke_run_with_the_mask_off_expands_every_clone_trained_in_its_stage."""
     method, model = make(mask_every=2)
     previous = method.optimizer_for_stage(Stage(0, [], "task 0"), None)  # stage 0's: no clone yet
     stage = Stage(1, [], "task 1")
@@ -589,9 +591,23 @@ def test_smoke_run_records_decisions_and_resumes_to_the_same_run(trace_dir, tmp_
 
 
 @pytest.mark.slow
-def test_smoke_run_with_the_mask_off_expands_everything(trace_dir, tmp_path):
+def test_smoke_run_with_the_mask_off_expands_every_clone_trained_in_its_stage(trace_dir, tmp_path):
+    """Through the sequencer: with every slot expanded, group t of each layer is stage
+    t's trained clones of group t - 1 (the active experts), frozen afterwards, so
+    each group differs from the one it was cloned from, in most experts (a clone the
+    router sends no token in smoke's 2 steps gets no gradient).
+    Mutation caught: the sequencer keeping stage 0's optimiser for every stage (the
+    clones never step: group 2 == group 1 == group 0)."""
     out = tmp_path / "off"
-    assert run_cli(*smoke_args(trace_dir, out, "--method", "bilevel-cka", "--method-arg", "mask=off")) == 0
+    assert run_cli(*smoke_args(trace_dir, out, "--method", "bilevel-cka", "--method-arg", "mask=off",
+                               "--keep-checkpoint")) == 0
     record = json.loads((only_run(out) / "run.json").read_text())
     assert [p["expansion_rate"] for p in record["params"]] == [None, 1.0, 1.0]
     assert [p["experts_per_layer"] for p in record["params"]] == [[8, 8], [16, 16], [24, 24]]
+    weights = final_weights(only_run(out))
+    for i in range(2):
+        for t in (1, 2):
+            for name in ("gate", "up", "down"):
+                new, old = (weights[f"model.layers.{i}.mlp.groups.{g}.{name}"] for g in (t, t - 1))
+                moved = (new - old).flatten(1).abs().amax(dim=1)  # (K,) per expert
+                assert int((moved > 0).sum()) >= K // 2, (i, t, name, moved)
