@@ -175,7 +175,7 @@ class BilevelCKA(Method):
         if a.mask == "on" and (step + 1) % task.every == 0 and task.task_batch is not None:
             parts.update(outer_step(self.model, task, batch, a))
         features = self._features
-        reference = features.reference(task, batch, a.experts_per_task, device_of(self.model))
+        reference = features.reference(task, batch)
         self._masks(step)
         with features.capture() as feats:
             lm = lm_loss(self.model, batch)
