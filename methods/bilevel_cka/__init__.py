@@ -174,6 +174,13 @@ class BilevelCKA(Method):
         parts: dict[str, float] = {}
         if a.mask == "on" and (step + 1) % task.every == 0 and task.task_batch is not None:
             parts.update(outer_step(self.model, task, batch, a))
+        loss, inner = self._inner_replay(batch, step)
+        return loss, {**parts, **inner}
+
+    def _inner_replay(self, batch, step):
+        """lambda_replay L_replay + lambda_CKA L_CKA on the replay micro-batch, this step's pi."""
+        a, task = self.args, self._task
+        parts: dict[str, float] = {}
         features = self._features
         reference = features.reference(task, batch)
         self._masks(step)
@@ -190,6 +197,30 @@ class BilevelCKA(Method):
         parts.update({"lm": lm.item(), "cka": sum(values) / len(values), "cka_loss": cka_loss.item(),
                       **{f"cka_{l}": c for l, c in zip(self._cka_layers, values)}})
         return a.lambda_replay * lm + a.lambda_cka * cka_loss, parts
+
+    def step_passes(self, micro_batches, replay, step):
+        """The passes a step of task t >= 1 needs beyond the task micro-batches (docs/methods/
+        bilevel-cka.md, "Passes per step"): the inner replay forward and backward (its CKA
+        reference as the step finds it: cached for rows the task has seen), the outer step
+        (a replay forward with backward to alpha, two no-grad forwards of the last task
+        micro-batch, Adam on alpha) and, once per replay row and task, the reference's forward."""
+        task = self._task
+        if task is None:
+            return {}
+        self.loss(micro_batches[-1], step)  # this step's pi, and the outer step's task micro-batch
+        rows = self._features.rows(replay)
+
+        def replay_pass():
+            loss, _ = self._inner_replay(replay, step)
+            loss.backward()
+
+        def reference_row():
+            self._features.reference(task, replay, refresh=rows[:1])
+
+        passes = {"replay forward and backward": replay_pass, "reference forward of one row": reference_row}
+        if task.logits is not None:
+            passes["outer step"] = lambda: outer_step(self.model, task, replay, self.args)
+        return passes
 
     # ---- task end -----------------------------------------------------------------------
     def after_task(self, stage: Stage) -> None:

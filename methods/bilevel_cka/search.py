@@ -183,7 +183,17 @@ class LayerFeatures:
                        logits_to_keep=1)  # the layers' outputs are wanted, not the vocabulary logits
         return {l: self.tokens(feats[l], batch) for l in self.layers}
 
-    def reference(self, task: _Task, batch: dict) -> dict[int, torch.Tensor]:
+    def rows(self, batch: dict) -> list[tuple]:
+        """The reference cache's key of each row of `batch`: (autocast dtype, its token ids)."""
+        mask = batch["attention_mask"].bool()  # (B, T)
+        lengths = mask.sum(dim=1)  # (B,)
+        if not torch.equal(mask, torch.arange(mask.shape[1], device=mask.device) < lengths[:, None]):
+            raise ValueError("bilevel-cka's CKA reference needs right-padded rows (the harness's collator)")
+        kind = mask.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        return [(dtype, tuple(batch["input_ids"][i, :n].tolist())) for i, n in enumerate(lengths.tolist())]
+
+    def reference(self, task: _Task, batch: dict, refresh: list[tuple] = ()) -> dict[int, torch.Tensor]:
         """CKA-layer tokens of `batch` (as `tokens` picks them) through the model as it
         was before this task: every supernet without its clones (pi None) and the
         snapshot of whatever else trains. That model is fixed for the task, so each
@@ -191,21 +201,17 @@ class LayerFeatures:
         cached in `task.reference` under (autocast dtype, the row's token ids), all
         that decides them. A row's features so never depend on the rows beside it or
         on the padding (a batched forward's rounding does); the rows' non-pad tokens,
-        in batch order, are then spaced as `tokens` spaces a batch's."""
-        mask = batch["attention_mask"].bool()  # (B, T)
-        lengths = mask.sum(dim=1)  # (B,)
-        if not torch.equal(mask, torch.arange(mask.shape[1], device=mask.device) < lengths[:, None]):
-            raise ValueError("bilevel-cka's CKA reference needs right-padded rows (the harness's collator)")
-        dtype = torch.get_autocast_dtype(mask.device.type) if torch.is_autocast_enabled(mask.device.type) else None
-        rows = [(dtype, tuple(batch["input_ids"][i, :n].tolist())) for i, n in enumerate(lengths.tolist())]
-        missing = list(dict.fromkeys(key for key in rows if key not in task.reference))
+        in batch order, are then spaced as `tokens` spaces a batch's. `refresh`: keys
+        computed again even when cached (`cl-bench perf step` times one row's forward)."""
+        rows = self.rows(batch)
+        missing = list(dict.fromkeys([*refresh, *(key for key in rows if key not in task.reference)]))
         if missing:
             pi = [net.pi for net in task.nets.values()]
             for net in task.nets.values():
                 net.pi = None
             try:
                 for key in missing:
-                    task.reference[key] = self._alone(task, key[1], mask.device)
+                    task.reference[key] = self._alone(task, key[1], batch["input_ids"].device)
             finally:
                 for net, p in zip(task.nets.values(), pi):
                     net.pi = p
