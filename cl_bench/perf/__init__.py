@@ -1,6 +1,6 @@
 """`cl-bench perf WHAT`: the measurements behind the README's performance figures.
 
-harness.py   generation (batched against one-at-a-time decoding), harness (a
+harness.py   zero-shot (a method's zero-shot row against another's), generation (batched against one-at-a-time decoding), harness (a
              training stage of `--method` through the backend against a bare
              loop), deepspeed (one rank against the torch backend)
 moe.py       moe (dispatch cost against the number of experts), upcycle-gap (the
@@ -25,8 +25,9 @@ MEASUREMENTS: dict[str, Callable[[Any], dict]] = {
     "upcycle-gap": moe.upcycle_gap,
     "precision": precision.precision_benchmark,
     "step": step.step,
+    "zero-shot": harness.zero_shot,
 }
-DEFAULT_TASK = {"upcycle-gap": "paper6", "step": "Py150,NumGLUE-ds"}  # the others: one task, NumGLUE-ds
+DEFAULT_TASK = {"upcycle-gap": "paper6", "zero-shot": "paper6", "step": "Py150,NumGLUE-ds"}  # the others: one task, NumGLUE-ds
 
 
 def run(what: str, args) -> dict:
