@@ -30,6 +30,21 @@ from cl_bench.perf.harness import _setup
 from cl_bench.replay import ReplayBuffer, sample_rows
 
 
+def begun(name: str, config, loaded, tasks: list, encoder, method_args: dict):
+    """`name` on a fresh copy of `loaded.model` (its `method_args` over the profile's),
+    stage 0's hooks run, stage 1 begun: (method, its optimiser, stage 1)."""
+    cls = registry.get(name)
+    ctx = MethodContext(config, torch.device("cpu"), loaded.tokenizer, all_tasks=tasks, encoder=encoder)
+    method = cls(cls.parse_args(cls.args_for(config) | method_args), ctx)
+    method.setup(copy.deepcopy(loaded.model))
+    stages = method.plan(tasks)
+    ctx.n_stages = len(stages)
+    method.before_task(stages[0])
+    method.after_task(stages[0])
+    method.before_task(stages[1])
+    return method, method.optimizer_for_stage(stages[1], None), stages[1]
+
+
 def step(args) -> dict:
     config, loaded, encoder, tasks = _setup(args)
     if len(tasks) != 2:
@@ -43,22 +58,11 @@ def step(args) -> dict:
     backend = TorchBackend(config, device)
     method_args = dict(a.split("=", 1) for a in args.method_arg or [])
 
-    def begun(name: str):
-        """A fresh copy of the model, `name` set up, stage 0's hooks run, stage 1 begun."""
-        cls = registry.get(name)
-        ctx = MethodContext(config, device, loaded.tokenizer, all_tasks=tasks, encoder=encoder)
-        raw = cls.args_for(config) | (method_args if name == args.method else {})
-        method = cls(cls.parse_args(raw), ctx)
-        method.setup(copy.deepcopy(loaded.model))
-        stages = method.plan(tasks)
-        ctx.n_stages = len(stages)
-        method.before_task(stages[0])
-        method.after_task(stages[0])
-        method.before_task(stages[1])
-        return method, method.optimizer_for_stage(stages[1], None), stages[1]
+    def begun_(name: str):
+        return begun(name, config, loaded, tasks, encoder, method_args if name == args.method else {})
 
     def stage_steps(name: str) -> tuple[list[float], list[bool]]:
-        method, optimizer, stage = begun(name)
+        method, optimizer, stage = begun_(name)
         marks, outer = [], []
 
         def on_step(s, parts):
@@ -72,7 +76,7 @@ def step(args) -> dict:
 
     def passes() -> dict[str, list[float]]:
         """Each pass alone, once per step, on that step's batches."""
-        method, optimizer, stage = begun(args.method)
+        method, optimizer, stage = begun_(args.method)
         model = method.model
         model.train()
         params = [p for g in optimizer.param_groups for p in g["params"]]

@@ -173,17 +173,26 @@ class BilevelCKA(Method):
             return a.lambda_replay * lm, {"lm": lm.item()}
         parts: dict[str, float] = {}
         if a.mask == "on" and (step + 1) % task.every == 0 and task.task_batch is not None:
+            if a.outer_sample == "shared":  # one replay forward: the outer sample's, for both losses
+                pi = straight_through_gumbel(task.logits, task.tau, task.generator)[..., 1]  # (L_c, K)
+                loss, inner, lm = self._inner_replay(batch, step, pi)
+                parts.update(outer_step(self.model, task, batch, a, pi, lm))
+                return loss, {**parts, **inner}
             parts.update(outer_step(self.model, task, batch, a))
-        loss, inner = self._inner_replay(batch, step)
+        loss, inner, _ = self._inner_replay(batch, step)
         return loss, {**parts, **inner}
 
-    def _inner_replay(self, batch, step):
-        """lambda_replay L_replay + lambda_CKA L_CKA on the replay micro-batch, this step's pi."""
+    def _inner_replay(self, batch, step, pi=None):
+        """lambda_replay L_replay + lambda_CKA L_CKA on the replay micro-batch, with this
+        step's pi (or `pi`, outer_sample=shared); the loss, its parts and L_replay."""
         a, task = self.args, self._task
         parts: dict[str, float] = {}
         features = self._features
         reference = features.reference(task, batch)
-        self._masks(step)
+        if pi is None:
+            self._masks(step)
+        else:
+            task.set_masks(pi)
         with features.capture() as feats:
             lm = lm_loss(self.model, batch)
         current = {l: features.tokens(feats[l], batch) for l in self._cka_layers}
@@ -196,7 +205,11 @@ class BilevelCKA(Method):
         task.replay_batch = batch
         parts.update({"lm": lm.item(), "cka": sum(values) / len(values), "cka_loss": cka_loss.item(),
                       **{f"cka_{l}": c for l, c in zip(self._cka_layers, values)}})
-        return a.lambda_replay * lm + a.lambda_cka * cka_loss, parts
+        return a.lambda_replay * lm + a.lambda_cka * cka_loss, parts, lm
+
+    def before_step(self, step: int) -> None:
+        if self._task is not None and self._task.logits is not None:
+            self._task.logits.grad = None  # outer_sample=shared: the inner backward reached alpha too
 
     def step_passes(self, micro_batches, replay, step):
         """The passes a step of task t >= 1 needs beyond the task micro-batches (docs/methods/
@@ -211,7 +224,7 @@ class BilevelCKA(Method):
         rows = self._features.rows(replay)
 
         def replay_pass():
-            loss, _ = self._inner_replay(replay, step)
+            loss, _, _ = self._inner_replay(replay, step)
             loss.backward()
 
         def reference_row():

@@ -116,11 +116,16 @@ class _Task:
         return self.pi
 
 
-def outer_step(model: nn.Module, task: _Task, replay: dict, args: BilevelCKAArgs) -> dict[str, float]:
-    """One Adam step on the mask logits (module docstring); the model's gradients stay untouched."""
-    pi = straight_through_gumbel(task.logits, task.tau, task.generator)[..., 1]  # (L_c, K)
-    task.set_masks(pi)
-    l_replay = lm_loss(model, replay)
+def outer_step(model: nn.Module, task: _Task, replay: dict, args: BilevelCKAArgs, pi: torch.Tensor | None = None,
+               l_replay: torch.Tensor | None = None) -> dict[str, float]:
+    """One Adam step on the mask logits (module docstring); the model's gradients stay
+    untouched. `pi`, `l_replay`: a sample and the replay loss already computed with it
+    (outer_sample=shared: their graph is kept for the inner backward); else drawn here."""
+    given = pi is not None
+    if not given:
+        pi = straight_through_gumbel(task.logits, task.tau, task.generator)[..., 1]  # (L_c, K)
+        task.set_masks(pi)
+        l_replay = lm_loss(model, replay)
     with torch.no_grad():
         task.set_masks(torch.ones_like(pi))
         l_expand = lm_loss(model, task.task_batch)
@@ -130,7 +135,7 @@ def outer_step(model: nn.Module, task: _Task, replay: dict, args: BilevelCKAArgs
     gain = (l_recycle - l_expand).detach() * rate
     bal = balance(rate, args.r_target)
     total = l_replay - args.gamma * gain + args.beta * bal
-    (grad,) = torch.autograd.grad(total, [task.logits])
+    (grad,) = torch.autograd.grad(total, [task.logits], retain_graph=given)
     task.logits.grad = grad
     task.optimizer.step()
     task.logits.grad = None

@@ -309,6 +309,31 @@ def test_outer_step_updates_the_mask_logits_and_tau():
     assert random_init._task.logits.detach().std() > 0
 
 
+def test_outer_sample_shared_runs_one_replay_forward_for_the_outer_and_the_inner_loss():
+    """outer_sample=shared: on an outer step one replay forward (the outer sample's) serves
+    the outer loss and the inner one; the mask logits still take their Adam step, the
+    model's gradient is the inner loss's at that sample, and alpha's stray gradient goes."""
+    counts, steps = {}, {}
+    for mode in ("own", "shared"):
+        method, model = make(mask_every=1, outer_sample=mode)
+        method.before_task(Stage(1, [], "task 1"))
+        task = method._task
+        calls, start = forwards(model), task.logits.detach().clone()
+        method.loss(batch(0), 0)
+        loss, parts = method.replay_loss(batch(1), 0)
+        counts[mode] = calls[0]
+        loss.backward()
+        method.before_step(0)
+        assert task.updates == 1 and not torch.equal(task.logits, start) and task.logits.grad is None
+        assert {"mask_loss", "mask_replay", "cka", "lm"} <= set(parts)
+        grads = [p.grad for p in clone_params(method).values()]
+        assert all(g is not None and torch.isfinite(g).all() for g in grads) and any(g.any() for g in grads)
+        steps[mode] = parts
+    # own: task, outer replay, L_expand, L_recycle, 2 reference rows, inner replay; shared: no outer replay
+    assert counts["own"] == 7 and counts["shared"] == 6
+    assert steps["shared"]["mask_replay"] == pytest.approx(steps["shared"]["lm"])  # one forward, one loss
+
+
 def test_expand_adds_one_expert_and_an_aligned_row_per_decision_and_recycle_none():
     method, model = make()
     stage = Stage(1, [], "task 1")
