@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.cl-bench-installed
 export CL_BENCH_DATA ?= $(abspath ../shared/trace/LLM-CL-Benchmark_500)
 
-.PHONY: install main test test-fast
+.PHONY: install main test test-fast site
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,3 +28,9 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" --durations=15
+
+# The committed site (site/index.html, linked from the README): the leaderboard and every run
+# of results/, pages linking the run files where they lie. --no-browser: the prediction browser
+# copies every prediction, so it is left out here; `cl-bench site --runs results --out DIR` has it.
+site: install
+	$(VENV)/bin/cl-bench site --runs results --out site --no-browser

@@ -1,4 +1,4 @@
-"""`cl-bench`: run | show | compare | list | leaderboard | analyze | score | params | perf.
+"""`cl-bench`: run | show | compare | list | leaderboard | site | analyze | score | params | perf.
 
 Bad input raises UserError anywhere below; here it becomes one line on stderr
 and exit code 2 (a traceback only with --debug).
@@ -68,10 +68,13 @@ def _run(args, stop) -> int:
 def _interrupted(run) -> str:
     """What an interrupt leaves, in one line: resume continues after the last checkpoint,
     or, with none yet, starts the run again in its folder."""
-    from cl_bench.results import has_checkpoint
+    from cl_bench.results import STEP_CHECKPOINT_DIR, has_checkpoint
 
     again = f"cl-bench run --resume {run.run_dir}"
     done, total = run.record.stages_done, len(run.stages)
+    if has_checkpoint(run.run_dir, STEP_CHECKPOINT_DIR):
+        return (f"interrupted; {done} of {total} stages are saved, and stage {done + 1} up to its last in-stage "
+                f"checkpoint; continue with: {again}")
     if has_checkpoint(run.run_dir):
         return f"interrupted; {done} of {total} stages are saved; continue with: {again}"
     return f"interrupted before the first stage was saved; nothing to keep; start it again with: {again}"
@@ -140,6 +143,13 @@ def cmd_leaderboard(args) -> int:
     if args.update_readme:
         leaderboard.update_readme(args.update_readme, leaderboard.format_table(table, "md"),
                                   f"<!-- {args.section}:begin -->", f"<!-- {args.section}:end -->")
+    return 0
+
+
+def cmd_site(args) -> int:
+    from cl_bench.site.build import build_site
+
+    print(build_site(args.runs, args.out, args.exclude, args.include, browser=not args.no_browser))
     return 0
 
 
@@ -258,7 +268,13 @@ def _save(args, result: dict) -> None:
         write_json(args.output, {"command": args.command_line, **result})
 
 
-COMMANDS = {"run": cmd_run, "show": cmd_show, "compare": cmd_compare, "list": cmd_list, "leaderboard": cmd_leaderboard,
+def cmd_campaign(args) -> int:
+    from cl_bench import campaign
+
+    return campaign.main(args)
+
+
+COMMANDS = {"run": cmd_run, "campaign": cmd_campaign, "show": cmd_show, "compare": cmd_compare, "list": cmd_list, "leaderboard": cmd_leaderboard, "site": cmd_site,
             "analyze": cmd_analyze, "score": cmd_score, "params": cmd_params, "perf": cmd_perf}
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-DESCRIPTION = "`cl-bench`: run | show | compare | list | leaderboard | analyze | score | params | perf."
+DESCRIPTION = "`cl-bench`: run | show | compare | list | leaderboard | site | analyze | score | params | perf."
 
 
 def _kv(text: str) -> tuple[str, str]:
@@ -111,6 +111,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip run folders matching GLOB, relative to --runs (repeatable), e.g. 'sweeps/*'")
     p.add_argument("--include", action="append", default=[], metavar="GLOB",
                    help="only run folders matching GLOB (repeatable), e.g. 'bilevel-cka-*'")
+    p = sub.add_parser("site", help="the leaderboard and every run as a static web site (opens from disk)",
+                       description="Writes OUT/index.html (the leaderboard, one table per folder of runs), a page "
+                                   "per run, compare pages (each run against the baseline runs of its profile and "
+                                   "precision) and a prediction browser per run and task.")
+    p.add_argument("--runs", type=Path, default=Path("results"), help="folder of run folders")
+    p.add_argument("--out", type=Path, default=Path("site"), help="where the site goes (default site/)")
+    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="skip run folders matching GLOB, relative to --runs (repeatable)")
+    p.add_argument("--include", action="append", default=[], metavar="GLOB",
+                   help="only run folders matching GLOB (repeatable)")
+    p.add_argument("--no-browser", action="store_true",
+                   help="leave out the prediction browser (its pages copy every prompt and prediction); "
+                        "run pages still link predictions.jsonl")
     p = sub.add_parser("analyze", help="figures from a run record (heatmap, decisions, CKA, sharpness), "
                                        "written beside it")
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
@@ -140,6 +153,30 @@ def build_parser() -> argparse.ArgumentParser:
                        help="as --decisions, from the mean experts per MoE layer after the last task "
                             "(e.g. a paper's 17.8), expansions spread evenly over tasks and layers")
     p.add_argument("--json", action="store_true")
+    p = sub.add_parser("campaign", help="the runs of a plan file, each pinned to its commit, here or on Slurm",
+                       description="Skips complete runs, resumes interrupted ones, starts the rest; prints each "
+                                   "run's state (done, running, left) and estimated hours, then the total left. "
+                                   "Plan lines: '<output dir>/<run id>: <cl-bench run flags>'.")
+    p.add_argument("plan", type=Path, metavar="PLAN")
+    p.add_argument("--status", action="store_true", help="show each run's state and hours; start nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="as --status, and check that every run could start (precision, commit); start nothing")
+    p.add_argument("--launcher", choices=["local", "slurm"], default="local",
+                   help="local: --slots runs at a time on this machine (default); slurm: one job a run "
+                        "through submitit, settings from --slurm")
+    p.add_argument("--slots", type=int, default=2, help="local: runs at a time (default 2)")
+    p.add_argument("--threads", type=int, default=1, help="local: OMP threads a run (default 1)")
+    p.add_argument("--slurm", type=Path, metavar="YAML",
+                   help="Slurm settings: partition, time_min, signal_delay_s, cpus_per_task, gpus_per_node, "
+                        "mem_gb, max_requeues, executor (slurm|local|debug), additional")
+    p.add_argument("--wait", action="store_true", help="slurm: wait for the jobs and report how each ended")
+    p.add_argument("--allow-fp32", action="store_true",
+                   help="on a CPU without native bf16, run auto-precision lines (they compute in fp32)")
+    p.add_argument("--code", type=Path, help="run this checkout (its packages linked) instead of clones")
+    p.add_argument("--records", type=Path, default=Path("results"),
+                   help="committed run records the estimates learn from, relative to the root (default results)")
+    p.add_argument("--root", type=Path, help="the repository the plan's paths start from (default: the git "
+                                             "checkout holding the working directory)")
     p = sub.add_parser("perf", help="measure generation speed-up, harness overhead, MoE dispatch, "
                                     "the loss upcycling adds before training, deepspeed's per-step cost, fp32 against bf16, "
                                     "or a method's step against another's and the passes it needs")

@@ -1,9 +1,10 @@
 """`cl-bench compare RUN_A RUN_B [...]`: paired differences between runs over the
 same test items.
 
-Each run after the first is compared with the first: for every summary, the
+Each run after the first is compared with the first: for every summary, and for
+every task's final score (after the last stage that evaluated it), the
 difference (run - first) with its 95% paired-bootstrap interval and p-value
-(cl_bench/metrics/bootstrap.py). The runs must share tasks, test items and
+(cl_bench/metrics/bootstrap.py). `cl-bench site` draws its compare pages from here. The runs must share tasks, test items and
 budget (training data, epochs, batch, lengths, replay budget, decoding budget
 and model) and precision (`auto` is bf16 on one machine and fp32 on another, and
 the two score differently); anything that differs is named and the comparison refused.
@@ -13,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tabulate import tabulate
 
 from cl_bench import results
@@ -71,9 +73,21 @@ def _table(run_dir: Path, record: RunRecord) -> ItemTable:
                         f"the run folder is damaged") from None
 
 
+def _final_scores(table: ItemTable, resamples: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per task, the score after the last stage that evaluated it: (T,) points and
+    (B, T) replicates over the same item draws as intervals.replicates."""
+    R = table.matrices()[0][0]  # (S, T)
+    Rr = table.matrices(bootstrap.draws([len(i) for i in table.items], resamples, SEED))[0]  # (B, S, T)
+    last = [max((b for b in range(R.shape[0]) if np.isfinite(R[b, j])), default=None) for j in range(R.shape[1])]
+    point = np.array([np.nan if b is None else R[b, j] for j, b in enumerate(last)])
+    reps = np.stack([np.full(len(Rr), np.nan) if b is None else Rr[:, b, j] for j, b in enumerate(last)], axis=1)
+    return point, reps
+
+
 def compare(run_dirs: list[Path], resamples: int = bootstrap.RESAMPLES) -> dict[str, Any]:
-    """{"baseline", "resamples", "comparisons": [{"run", "summaries": {name: {a, b,
-    diff, ci, p}}}]}: every run against the first, paired over items."""
+    """{"baseline", "resamples", "comparisons": [{"run", "summaries": {name: {run,
+    baseline, diff, ci, p}}, "tasks": {task: {...}}}]}: every run against the first,
+    paired over items; "tasks" holds each task's final score."""
     if len(run_dirs) < 2:
         raise UserError("compare needs at least two run folders: the baseline first, then the others")
     run_dirs = [Path(d) for d in run_dirs]
@@ -86,6 +100,7 @@ def compare(run_dirs: list[Path], resamples: int = bootstrap.RESAMPLES) -> dict[
     loaded = [(rec, _table(d, rec)) for d, rec in zip(run_dirs, records)]
     base_reps = replicates(base_table, resamples)
     base_point = point_summaries(base_table)
+    base_final, base_final_reps = _final_scores(base_table, resamples)
     out = []
     for d, (rec, table) in zip(run_dirs[1:], loaded[1:]):
         reps = replicates(table, resamples)
@@ -97,7 +112,14 @@ def compare(run_dirs: list[Path], resamples: int = bootstrap.RESAMPLES) -> dict[
                 continue
             rows[name] = {"run": a, "baseline": b,
                           **bootstrap.paired_difference(reps[name], base_reps[name], a - b)}
-        out.append({"run": str(d), "method": rec.method, "summaries": rows})
+        final, final_reps = _final_scores(table, resamples)
+        tasks = {}
+        for j, task in enumerate(rec.tasks):
+            if np.isfinite(final[j]) and np.isfinite(base_final[j]):
+                tasks[task] = {"run": float(final[j]), "baseline": float(base_final[j]),
+                               **bootstrap.paired_difference(final_reps[:, j], base_final_reps[:, j],
+                                                             float(final[j] - base_final[j]))}
+        out.append({"run": str(d), "method": rec.method, "summaries": rows, "tasks": tasks})
     return {"baseline": str(run_dirs[0]), "baseline_method": base_rec.method, "resamples": resamples,
             "seed": SEED, "level": bootstrap.LEVEL, "comparisons": out}
 
@@ -105,11 +127,13 @@ def compare(run_dirs: list[Path], resamples: int = bootstrap.RESAMPLES) -> dict[
 def format_comparison(result: dict[str, Any]) -> str:
     rows = []
     for comp in result["comparisons"]:
-        for name, r in comp["summaries"].items():
+        named = [(SUMMARY_NAMES[k], r) for k, r in comp["summaries"].items()]
+        named += [(f"{task} (final)", r) for task, r in comp.get("tasks", {}).items()]
+        for name, r in named:
             ci = r["ci"]
             verdict = ("not distinguishable" if ci is None or ci[0] <= 0 <= ci[1]
                        else "higher" if r["diff"] > 0 else "lower")
-            rows.append([comp["run"], SUMMARY_NAMES[name], f"{r['run']:.1f}", f"{r['baseline']:.1f}",
+            rows.append([comp["run"], name, f"{r['run']:.1f}", f"{r['baseline']:.1f}",
                          f"{r['diff']:+.1f}", "–" if ci is None else f"[{ci[0]:+.1f}, {ci[1]:+.1f}]",
                          "–" if r["p"] is None else f"{r['p']:.3f}", verdict])
     head = ["run", "summary", "run", "baseline", "difference", "95% interval", "p", "at 95%"]

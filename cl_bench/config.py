@@ -59,6 +59,9 @@ class TrainConfig:
     lr_schedule: str | None = None  # constant | cosine, over each training phase (cl_bench/schedule.py);
     #                                 None: the method's (Method.lr_schedule); the run's config records it
     warmup_ratio: float | None = None  # share of a phase's steps with linear warm-up; None: the method's
+    checkpoint_every_s: float | None = None  # also checkpoint inside a stage, at the first step boundary this
+    #   many seconds of training after the last checkpoint (0: every step; None: at stage ends only), so a
+    #   killed run loses at most this much training (plus one step); torch backend (cl_bench/run_state.py)
 
     def epochs_for(self, task: str) -> int:
         return self.epochs_per_task.get(task, self.epochs)
@@ -161,6 +164,10 @@ class RunConfig:
                             f"choose one of {', '.join(SCHEDULES)}")
         if t.warmup_ratio is not None and not 0 <= t.warmup_ratio < 1:
             raise UserError(f"train.warmup_ratio={t.warmup_ratio} must be in [0, 1), e.g. 0.03")
+        if t.checkpoint_every_s is not None and not (math.isfinite(t.checkpoint_every_s)
+                                                     and t.checkpoint_every_s >= 0):
+            raise UserError(f"train.checkpoint_every_s={t.checkpoint_every_s} must be a number of seconds >= 0 "
+                            f"(0: every step), or null for checkpoints at stage ends only, e.g. 600")
         for family, lr in t.lr_by_family.items():
             if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
                 raise UserError(f"train.lr_by_family.{family}={lr!r} must be a positive number")

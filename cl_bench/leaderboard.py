@@ -190,7 +190,15 @@ def _distinct(a: dict | None, b: dict | None, runs_a: list[_Entry], runs_b: list
 
 
 def build_table(runs: list[RunRecord]) -> pd.DataFrame:
-    """One row per (method, arguments, model, profile, precision, task order, reference) group.
+    """One row per (method, arguments, model, profile, precision, task order, reference)
+    group: build_rows' table."""
+    return build_rows(runs)[0]
+
+
+def build_rows(runs: list[RunRecord]) -> tuple[pd.DataFrame, list[list[RunRecord]]]:
+    """The table, and per row the runs pooled in it (`cl-bench site` links each row
+    to its runs' pages). One row per (method, arguments, model, profile, precision,
+    task order, reference) group.
 
     Scores: mean and sample std (ddof=1; NaN for one run) over the group's runs,
     ignoring nulls, and the 95% interval ("lo", "hi") over items (and seeds).
@@ -201,7 +209,7 @@ def build_table(runs: list[RunRecord]) -> pd.DataFrame:
     Sorted by Last Acc mean descending, reference rows last.
     """
     if not runs:
-        return pd.DataFrame(columns=COLUMNS)
+        return pd.DataFrame(columns=COLUMNS), []
     entries = [_Entry(run, _items(run)) for run in runs]
     flat = pd.DataFrame([{**_flatten(entry), "_run": i} for i, entry in enumerate(entries)])
     for col in [stem for _, stem in SCORES] + [col for _, col in PARAMS] + EXTRA + ["Wall time (min)"]:
@@ -239,7 +247,7 @@ def build_table(runs: list[RunRecord]) -> pd.DataFrame:
         table[col] = [None if i not in ranked or other is None or i == other
                       else _distinct(reps[i], reps[other], members[i], members[other], key)
                       for i in range(len(table))]
-    return table[COLUMNS]
+    return table[COLUMNS], [[e.record for e in m] for m in members]
 
 
 def humanise(n) -> str:
@@ -262,7 +270,8 @@ def _score_cell(mean, std, lo=None, hi=None) -> str:
     return text if lo is None or pd.isna(lo) else f"{text} [{lo:.1f}, {hi:.1f}]"
 
 
-def _display_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
+def display_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
+    """The headers and the formatted cells of every row (the Markdown and LaTeX tables', and the site's)."""
     headers = ["Method", "Model", "Profile", "Precision", "Tasks", "Runs"] + [stem for _, stem in SCORES]
     headers += MARKS + [col for _, col in PARAMS] + EXTRA + ["Wall time (min)"]
     rows = []
@@ -306,7 +315,7 @@ def format_table(df: pd.DataFrame, fmt: str = "md") -> str:
         return df.to_csv(index=False, na_rep="")
     if fmt not in FORMATS:
         raise UserError(f"unknown leaderboard format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    headers, rows = _display_rows(df)
+    headers, rows = display_rows(df)
     align = ["left"] * 4 + ["right"] * (len(headers) - 4)
     tablefmt = "pipe" if fmt == "md" else "latex_booktabs"
     # disable_numparse: the cells are already formatted; tabulate would re-round "45.0" to "45"

@@ -167,8 +167,9 @@ def _prepare_locked(config, resume_dir, run_dir, record, method_cls, method_args
     if restart:  # no checkpoint yet: the run starts again from its first stage, in its folder
         record.resumes = [{"at_stage": 0, "command": command, "backend": backend.describe()}]
         if backend.is_main:
-            log.info("%s: no checkpoint (it stopped before its first stage was saved); restarting it "
-                     "from stage 1", run_dir)
+            within = results.has_checkpoint(run_dir, results.STEP_CHECKPOINT_DIR)
+            log.info("%s: no stage checkpoint (it stopped before its first stage was saved); restarting it "
+                     "from stage 1%s", run_dir, ", then from its in-stage checkpoint" if within else "")
         backend.barrier()  # every rank has read the files before rank 0 rewrites them
         backend.on_main(lambda: (run_dir / results.METRICS_FILE).unlink(missing_ok=True))
         run_state.write_files(run)

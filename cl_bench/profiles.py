@@ -1,7 +1,7 @@
 """The profiles: named sets of RunConfig fields (nested as in a config file) that
 a run starts from (`--profile`; cl_bench/config.py merges profile <- YAML file <-
 flags). Sizes of `cpu` were measured on 2 CPU cores so that SeqFT over paper6 on
-SmolLM2 takes about 20 minutes (README, "Profiles").
+SmolLM2 takes about 20 minutes (docs/protocol.md, "Profiles").
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "eval": {"batch_size": 4, "max_new_tokens_cap": 8},
     },
     "cpu": {
-        # Calibrated from the pilot runs in results/calibration/ (README, "How the cpu
-        # profile was chosen"): bf16 where the CPU has it; a learning rate per method
+        # Calibrated from the pilot runs in results/calibration/ (docs/results.md, "How
+        # the cpu profile was chosen"): bf16 where the CPU has it; a learning rate per method
         # family (full: the smallest at which SeqFT learns 4 of 6 tasks and forgets,
         # BWT <= -5; adapter, expert: the highest learning gain on the eval split);
         # more training examples where steps are cheap (NumGLUE's short answers);
@@ -32,7 +32,8 @@ PROFILES: dict[str, dict[str, Any]] = {
                                      "NumGLUE-ds": 100, "C-STANCE": 100}},
         "train": {"batch_size": 8, "micro_batch_size": 4, "epochs": 1,
                   "max_prompt_len": 256, "max_answer_len": 96, "truncation_head": 48,
-                  "precision": "auto", "lr_by_family": {"full": 3e-4, "adapter": 3e-3, "expert": 3e-4}},
+                  "precision": "auto", "lr_by_family": {"full": 3e-4, "adapter": 3e-3, "expert": 3e-4},
+                  "checkpoint_every_s": 600},
         "eval": {"batch_size": 16, "max_new_tokens_cap": 64, "zero_shot": True, "next_task": True,
                  "precision": "auto", "cka_probe": 8, "routing_probe": 8},
     },

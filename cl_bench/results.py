@@ -30,7 +30,8 @@ from cl_bench.record import RunRecord
 RUN_FILE = "run.json"
 PREDICTIONS_FILE = "predictions.jsonl"
 METRICS_FILE = "metrics.jsonl"
-CHECKPOINT_DIR = "checkpoint"
+CHECKPOINT_DIR = "checkpoint"  # after the last finished stage
+STEP_CHECKPOINT_DIR = "checkpoint-step"  # inside the stage in progress (train.checkpoint_every_s)
 LOCK_FILE = "run.lock"  # flock-ed by the process writing the run; holds its PID
 ZERO_SHOT_STAGE = -1  # the `stage` of the zero-shot row's predictions and task metrics
 
@@ -238,11 +239,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:
-    """Write checkpoint/ whole, then swap it in: the previous one survives a crash."""
-    final = run_dir / CHECKPOINT_DIR
-    staging = run_dir / f"{CHECKPOINT_DIR}.new"
-    old = run_dir / f"{CHECKPOINT_DIR}.old"
+def save_checkpoint(run_dir: Path, state: dict[str, Any], name: str = CHECKPOINT_DIR) -> None:
+    """Write the folder `name` (checkpoint/) whole, then swap it in: the previous one
+    survives a crash."""
+    final = run_dir / name
+    staging = run_dir / f"{name}.new"
+    old = run_dir / f"{name}.old"
     shutil.rmtree(staging, ignore_errors=True)
     try:
         staging.mkdir()
@@ -258,15 +260,20 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def has_checkpoint(run_dir: Path) -> bool:
-    return any((run_dir / name / "state.pt").exists() for name in (CHECKPOINT_DIR, f"{CHECKPOINT_DIR}.old"))
+def has_checkpoint(run_dir: Path, name: str = CHECKPOINT_DIR) -> bool:
+    return any((run_dir / folder / "state.pt").exists() for folder in (name, f"{name}.old"))
 
 
-def load_checkpoint(run_dir: Path) -> dict[str, Any]:
+def remove_checkpoint(run_dir: Path, name: str) -> None:
+    for folder in (name, f"{name}.old", f"{name}.new"):
+        shutil.rmtree(run_dir / folder, ignore_errors=True)
+
+
+def load_checkpoint(run_dir: Path, name: str = CHECKPOINT_DIR) -> dict[str, Any]:
     """The last checkpoint, loaded with `weights_only=True`: tensors and plain types
     only, so a checkpoint from someone else cannot run code on --resume."""
-    for name in (CHECKPOINT_DIR, f"{CHECKPOINT_DIR}.old"):
-        path = run_dir / name / "state.pt"
+    for folder in (name, f"{name}.old"):
+        path = run_dir / folder / "state.pt"
         if path.exists():
             try:
                 return torch.load(path, map_location="cpu", weights_only=True)

@@ -3,11 +3,22 @@ predictions (write_files), then a checkpoint of weights, method state, optimiser
 state, generator states, the replay buffer and the probe's references (save);
 on --resume the checkpoint comes back and the record drops what the interrupted
 stage wrote after it (restore). Rank 0 writes; every rank restores.
+
+Inside a stage (train.checkpoint_every_s), at a step boundary: the weights, the
+method's and the optimiser's state, the generator states and the stage's step log
+so far, with where it stands (phase, next step), in checkpoint-step/ (save_in_stage).
+Resuming there (InStage) replays the stage's hooks from its start, which are
+deterministic given the stage checkpoint's generator states, so that whatever
+before_task and before_phase built (a teacher, a new expert group, an anchor)
+exists again; at the saved phase it loads the saved state over them and the backend
+skips the steps already taken. The result is the uninterrupted run's, byte for byte
+(tests/test_resume_in_stage.py).
 """
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,34 +40,20 @@ def _name_of(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-def save(run: Run, stage_index: int) -> None:
-    """Full weights, method state and optimiser state (gathered by the backend after
-    training: the model is an ordinary module on every rank here); rank 0 writes."""
-    if not run.backend.is_main:
-        return
-    names = _name_of(run.method.model)
-    state = {
-        "stage": stage_index,
-        "model": run.method.model.state_dict(),
-        "method": run.method.state_dict(),
-        "optimizer": None,
-        "rng": results.rng_state(),
-        "replay": run.replay.state_dict(),
-        "probe": run.probe.state_dict() if run.probe is not None else None,
-        "routing": run.routing.state_dict() if run.routing is not None else None,
-    }
+def _training_state(run: Run) -> dict[str, Any]:
+    """Weights, method state, optimiser state (by parameter name) and generator states."""
+    state = {"model": run.method.model.state_dict(), "method": run.method.state_dict(), "optimizer": None,
+             "rng": results.rng_state()}
     if run.optimizer is not None:
+        names = _name_of(run.method.model)
         state["optimizer"] = {
             "groups": [[names[id(p)] for p in g["params"]] for g in run.optimizer.param_groups],
             "state": run.optimizer.state_dict(),
         }
-    results.save_checkpoint(run.run_dir, state)
+    return state
 
 
-def restore(run: Run, command: str) -> None:
-    """The last checkpoint into the run; the record and the step log keep the stages
-    it holds, and note the resume (`command`)."""
-    state = results.load_checkpoint(run.run_dir)
+def _load_training_state(run: Run, state: dict[str, Any]) -> None:
     run.method.load_state_dict(state["method"])  # may rebuild architecture first
     run.method.model.load_state_dict(state["model"])
     if state["optimizer"] is not None:
@@ -65,6 +62,84 @@ def restore(run: Run, command: str) -> None:
         run.optimizer = run.method.make_optimizer(groups)
         run.optimizer.load_state_dict(state["optimizer"]["state"])
     results.set_rng_state(state["rng"])
+
+
+def save(run: Run, stage_index: int) -> None:
+    """Full weights, method state and optimiser state (gathered by the backend after
+    training: the model is an ordinary module on every rank here); rank 0 writes.
+    The stage's in-stage checkpoint, if any, goes once this one is written."""
+    if not run.backend.is_main:
+        return
+    state = {
+        "stage": stage_index,
+        **_training_state(run),
+        "replay": run.replay.state_dict(),
+        "probe": run.probe.state_dict() if run.probe is not None else None,
+        "routing": run.routing.state_dict() if run.routing is not None else None,
+    }
+    results.save_checkpoint(run.run_dir, state)
+    results.remove_checkpoint(run.run_dir, results.STEP_CHECKPOINT_DIR)
+
+
+@dataclass
+class InStage:
+    """Where an in-stage checkpoint stands: training resumes in `stage` at phase
+    `phase`, step `step` (the steps before it are taken), with `state` loaded once
+    that phase's hooks have run; `log_rows`, `global_step` and `train_s`: the
+    stage's step log, the run's step count and the training seconds up to there."""
+
+    stage: int
+    phase: int
+    step: int
+    log_rows: list[dict]
+    global_step: int
+    train_s: float
+    state: dict[str, Any] | None = None  # as loaded (save_in_stage takes the run's own)
+
+
+def save_in_stage(run: Run, at: InStage) -> None:
+    """The in-stage checkpoint `at` (its state taken now, at a step boundary); rank 0."""
+    if run.backend.is_main:
+        results.save_checkpoint(run.run_dir, {
+            "stage": at.stage, "phase": at.phase, "step": at.step, "log_rows": at.log_rows,
+            "global_step": at.global_step, "train_s": at.train_s, **_training_state(run)},
+            results.STEP_CHECKPOINT_DIR)
+
+
+def load_in_stage(run: Run) -> InStage | None:
+    """The in-stage checkpoint of the stage the run continues with, if there is one
+    (one of an earlier stage, left by a stop between the stage checkpoint and its
+    removal, is removed)."""
+    if not results.has_checkpoint(run.run_dir, results.STEP_CHECKPOINT_DIR):
+        return None
+    saved = results.load_checkpoint(run.run_dir, results.STEP_CHECKPOINT_DIR)
+    if saved["stage"] != run.record.stages_done:
+        run.backend.barrier()
+        run.backend.on_main(lambda: results.remove_checkpoint(run.run_dir, results.STEP_CHECKPOINT_DIR))
+        return None
+    keys = ("model", "method", "optimizer", "rng")
+    return InStage(saved["stage"], saved["phase"], saved["step"], saved["log_rows"], saved["global_step"],
+                   saved["train_s"], {k: saved[k] for k in keys})
+
+
+def enter_in_stage(run: Run, at: InStage) -> None:
+    """Load the in-stage checkpoint's state (its phase's hooks have run) and note the
+    resume in the record."""
+    _load_training_state(run, at.state)
+    run.global_step = at.global_step
+    last = (run.record.resumes or [None])[-1]
+    if last is not None and last.get("at_stage") == at.stage:
+        last["at_step"] = {"phase": at.phase, "step": at.step}
+    if run.backend.is_main:
+        log.info("%s: continuing stage %d at step %d of its phase %d (in-stage checkpoint)", run.run_dir,
+                 at.stage + 1, at.step, at.phase + 1)
+
+
+def restore(run: Run, command: str) -> None:
+    """The last checkpoint into the run; the record and the step log keep the stages
+    it holds, and note the resume (`command`)."""
+    state = results.load_checkpoint(run.run_dir)
+    _load_training_state(run, state)
     run.replay.load_state_dict(state["replay"], run.replay_sources)
     if run.probe is not None and state.get("probe") is not None:
         run.probe.load_state_dict(state["probe"])

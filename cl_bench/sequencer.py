@@ -4,7 +4,9 @@ It runs what cl_bench/prepare.py prepared, and calls a method only through the
 hooks of cl_bench.method.Method, never looking at its name. After every stage
 the run record, the predictions and a checkpoint are written
 (cl_bench/run_state.py), so an interrupted run loses at most the stage in
-progress and `--resume` continues at the next one.
+progress and `--resume` continues at the next one; with train.checkpoint_every_s,
+checkpoints are also written inside a stage, at step boundaries, and `--resume`
+continues at the step after the last one.
 
 With several ranks (the deepspeed backend) every rank runs this same loop on the
 same data; only rank 0 writes files, logs and shows progress, and the backend
@@ -15,7 +17,6 @@ from __future__ import annotations
 import logging
 import math
 import resource
-import shutil
 import time
 from typing import Any
 
@@ -48,6 +49,8 @@ def execute(run: Run, keep_checkpoint: bool = False, stop: signals.Stop | None =
     with signals.interrupt_on_signals(stop) as stop:
         try:
             run.metrics = make_logger(run.config.log, run.run_dir, run.config.to_dict(), run.backend.is_main)
+            if not (run.run_dir / results.RUN_FILE).exists():  # a record from the start: an in-stage
+                run_state.write_files(run)  # checkpoint of stage 1 is resumed through it
             stop.check()
             ev = run.config.eval
             if (ev.eval_all or ev.zero_shot) and rec.zero_shot is None:
@@ -59,9 +62,11 @@ def execute(run: Run, keep_checkpoint: bool = False, stop: signals.Stop | None =
                     run.predictions.extend({"stage": results.ZERO_SHOT_STAGE, **row} for row in ev_j.rows)
                 rec.timing.zero_shot_s = round(time.perf_counter() - t0, 2)
                 run_state.write_files(run)
+            at = run_state.load_in_stage(run)
             for stage in run.stages[rec.stages_done:]:
                 stop.check()
-                _run_stage(run, stage)
+                _run_stage(run, stage, at)
+                at = None
             stop.check()
             rec.summary = summarise(rec.matrix, rec.zero_shot)
             if run.backend.is_main:
@@ -69,8 +74,8 @@ def execute(run: Run, keep_checkpoint: bool = False, stop: signals.Stop | None =
             rec.status = "complete"
             run_state.write_files(run)
             if not keep_checkpoint and run.backend.is_main:
-                for name in (results.CHECKPOINT_DIR, f"{results.CHECKPOINT_DIR}.old"):
-                    shutil.rmtree(run.run_dir / name, ignore_errors=True)
+                for name in (results.CHECKPOINT_DIR, results.STEP_CHECKPOINT_DIR):
+                    results.remove_checkpoint(run.run_dir, name)
             run.backend.barrier()  # no rank returns before rank 0 has written the run
         except BaseException as exc:
             rec.status = "interrupted" if isinstance(exc, KeyboardInterrupt) or stop.fired else "failed"
@@ -92,20 +97,50 @@ def execute(run: Run, keep_checkpoint: bool = False, stop: signals.Stop | None =
         return rec
 
 
-def _run_stage(run: Run, stage: Stage) -> None:
+class _InStageCheckpoints:
+    """Writes the stage's in-stage checkpoint after a step once train.checkpoint_every_s
+    seconds have passed since the stage started or the last one was written."""
+
+    def __init__(self, run: Run, stage: Stage, t0: float):
+        every = run.config.train.checkpoint_every_s
+        if every is not None and not run.backend.in_stage_checkpoints:
+            log.warning("train.checkpoint_every_s: the %s backend checkpoints at stage ends only",
+                        run.backend.name)
+            every = None
+        self.run, self.stage, self.t0, self.every = run, stage, t0, every
+        self.last = time.perf_counter()
+
+    def after_step(self, phase: int, next_step: int, log_rows: list[dict]) -> None:
+        now = time.perf_counter()
+        if self.every is None or now - self.last < self.every:
+            return
+        run_state.save_in_stage(self.run, run_state.InStage(
+            self.stage.index, phase, next_step, log_rows, self.run.global_step, round(now - self.t0, 2)))
+        self.last = time.perf_counter()
+
+
+def _run_stage(run: Run, stage: Stage, at: run_state.InStage | None = None) -> None:
+    """Train, evaluate and save `stage`; `at`: continue it from that in-stage checkpoint."""
     rec, method = run.record, run.method
     n_stages = len(run.stages)
     label = f"stage {stage.index + 1}/{n_stages} [{stage.label}]"
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() - (at.train_s if at else 0.0)
+    checkpoints = _InStageCheckpoints(run, stage, t0)
     method.before_task(stage)
     phases = method.phases(stage)
     replayed = n_steps = 0
-    log_rows: list[dict] = []
-    for phase in phases:
+    log_rows: list[dict] = list(at.log_rows) if at else []
+    for p, phase in enumerate(phases):
         method.before_phase(stage, phase)
         run.optimizer = method.optimizer_for_stage(stage, run.optimizer)
+        start: int | None = 0  # the first step to compute; None: the whole phase is in the checkpoint
+        if at is not None and p <= at.phase:
+            start = None if p < at.phase else at.step
+            if p == at.phase:  # the hooks up to here rebuilt what the stage had; the saved state goes over it
+                run_state.enter_in_stage(run, at)
         desc = f"{label} {phase.name}" if len(phases) > 1 else f"{label} train"
-        steps_done, used = _train_phase(run, stage, phase, desc, log_rows, len(phases) > 1)
+        steps_done, used = _train_phase(run, stage, p, phase, desc, log_rows, len(phases) > 1, start,
+                                        checkpoints)
         n_steps += steps_done
         replayed += used
     method.after_task(stage)
@@ -151,10 +186,12 @@ def _run_stage(run: Run, stage: Stage) -> None:
              train_s, eval_s, scores)
 
 
-def _train_phase(run: Run, stage: Stage, phase: Phase, desc: str, log_rows: list[dict],
-                 tag: bool) -> tuple[int, int]:
-    """Train one phase of `stage`; returns (optimiser steps, replay examples used).
-    Step log rows go to `log_rows`, tagged with the phase when `tag`."""
+def _train_phase(run: Run, stage: Stage, index: int, phase: Phase, desc: str, log_rows: list[dict],
+                 tag: bool, start: int | None, checkpoints: _InStageCheckpoints) -> tuple[int, int]:
+    """Train phase `index` of `stage` from step `start` (None: none of it, it is
+    already taken); returns (optimiser steps, replay examples used), the steps
+    taken before `start` included. Step log rows go to `log_rows`, tagged with the
+    phase when `tag`."""
     method = run.method
     epochs = _epochs(run, stage)
     replay_rows, replayed = None, 0
@@ -168,9 +205,10 @@ def _train_phase(run: Run, stage: Stage, phase: Phase, desc: str, log_rows: list
     t = run.config.train
     n_steps = sum(-(-len(rows) // t.batch_size) for rows in epochs)
     extra = {"phase": phase.name} if tag else {}
+    start = n_steps if start is None else start
     schedule = LrSchedule(run.optimizer, t.lr_schedule, t.warmup_ratio, n_steps)
-    schedule.at(0)
-    with tqdm(total=n_steps, desc=desc, unit="step", disable=not run.progress) as bar:
+    schedule.at(start)
+    with tqdm(total=n_steps, initial=start, desc=desc, unit="step", disable=not run.progress) as bar:
         def on_step(step: int, parts: dict[str, float]) -> None:
             bad = [k for k, v in parts.items() if not math.isfinite(v)]
             if bad:  # diverged: the stage stops here, before anything of it is saved
@@ -185,9 +223,12 @@ def _train_phase(run: Run, stage: Stage, phase: Phase, desc: str, log_rows: list
             run.metrics.log(run.global_step, {"stage": stage.index, **parts})
             bar.set_postfix({k: f"{v:.3f}" for k, v in parts.items() if k != "grad_norm"})
             bar.update()
+            if step + 1 < n_steps:  # at the phase's end, the next phase's first step comes soon
+                checkpoints.after_step(index, step + 1, log_rows)
 
         replayed += run.backend.train_stage(method, run.optimizer, stage, epochs,
-                                            run.encoder.tokenizer.pad_token_id, on_step, replay_rows)
+                                            run.encoder.tokenizer.pad_token_id, on_step, replay_rows,
+                                            start_step=start)
     return n_steps, replayed
 
 

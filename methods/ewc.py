@@ -36,7 +36,7 @@ Differences from TRACE's EWC.py (reference/baselines.md, "EWC"), on purpose:
 - TRACE's λ = 400 matches its differently scaled F. The default λ = 1e4 comes
   from a sweep on the cpu profile with this F (SmolLM2, Py150 -> NumGLUE-ds ->
   C-STANCE, selected on the eval split; records in results/sweeps/ewc-lambda/,
-  README "EWC's λ on the calibrated profile"): Last Acc 33.6 / 33.8 / 31.7 at
+  docs/results.md, "EWC's λ on the calibrated profile"): Last Acc 33.6 / 33.8 / 31.7 at
   λ = 1e3 / 1e4 / 1e5, rule best Last Acc then BWT; the three are not
   distinguishable at 95% (differences -0.2 [-2.4, +2.0] and -2.1 [-5.7, +1.6]).
   A larger λ keeps slightly more of the old tasks and learns C-STANCE less (1e5:

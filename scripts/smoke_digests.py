@@ -20,6 +20,16 @@ Every value is hashed as written; a record of schema_version 1 is hashed as is.
 
     python scripts/smoke_digests.py --write tests/data/smoke_digests.json
     python scripts/smoke_digests.py --check tests/data/smoke_digests.json
+
+The byte digests are machine-specific (a last-bit difference in a logged float
+changes metrics.jsonl). `--values` writes or checks a machine-independent form
+instead, the one CI checks (tests/test_smoke_values.py, on the synthetic TRACE
+tree of tests/helpers.py: `--synthetic`): per method the R matrix and zero-shot
+row (rounded to 1e-6), the parameter rows (as above), every logged training number
+(rounded to 7 significant digits, compared at 1e-4 relative) and a digest of the
+predicted texts (exact: greedy decoding of the same weights):
+
+    python scripts/smoke_digests.py --values --synthetic --write tests/data/smoke_values.json
 """
 from __future__ import annotations
 
@@ -63,7 +73,54 @@ def digest(run_dir: Path) -> dict[str, str]:
     return out
 
 
-def digests(methods: list[str], data_dir: str | None) -> dict[str, dict[str, str]]:
+def _round(x, digits: int):
+    if isinstance(x, float):
+        return float(f"{x:.{digits}g}")
+    if isinstance(x, list):
+        return [_round(v, digits) for v in x]
+    if isinstance(x, dict):
+        return {k: _round(v, digits) for k, v in x.items()}
+    return x
+
+
+def _scores(row: list) -> list:
+    return [None if v is None else round(v, 6) for v in row]
+
+
+def values(run_dir: Path) -> dict:
+    """The machine-independent form of one smoke run (module docstring)."""
+    record = json.loads((run_dir / "run.json").read_text())
+    preds = [(r["stage"], r["task"], r["index"], r["prediction"])
+             for r in map(json.loads, (run_dir / "predictions.jsonl").read_text().splitlines())]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    zero = record.get("zero_shot")
+    return {"matrix": [_scores(row) for row in record["matrix"]], "zero_shot": None if zero is None else _scores(zero),
+            "params": pre_typed_params(record), "metrics": _round(rows, 7),
+            "predictions": hashlib.sha256(json.dumps(preds).encode()).hexdigest()[:16]}
+
+
+def _close(a, b, rel: float) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and \
+            abs(a - b) <= rel * max(abs(a), abs(b)) + 1e-5
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y, rel) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k], rel) for k in a)
+    return a == b
+
+
+def values_differ(found: dict, expected: dict, rel: float = 1e-4) -> list[str]:
+    """The parts of `found` (values of one method) that differ from `expected`:
+    numbers beyond `rel` relative (1e-5 absolute), anything else at all."""
+    return [k for k in sorted(found.keys() | expected.keys())
+            if k not in found or k not in expected or not _close(found[k], expected[k], rel)]
+
+
+def smoke_runs(methods: list[str], data_dir: str | None, reduce=None) -> dict[str, dict]:
+    """Each method's fp32 smoke run (on `data_dir`, default the TRACE release),
+    reduced by `reduce` (default: `digest`)."""
+    reduce = reduce or digest
     found = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in methods:
@@ -73,9 +130,13 @@ def digests(methods: list[str], data_dir: str | None) -> dict[str, dict[str, str
                 argv += ["--data-dir", data_dir]
             if cl_bench(argv) != 0:
                 raise SystemExit(f"{name}: the smoke run failed")
-            found[name] = digest(Path(tmp) / name)
-            print(f"{name}: {found[name]}", flush=True)
+            found[name] = reduce(Path(tmp) / name)
+            print(f"{name}: {found[name] if reduce is digest else 'done'}", flush=True)
     return found
+
+
+def digests(methods: list[str], data_dir: str | None) -> dict[str, dict[str, str]]:
+    return smoke_runs(methods, data_dir, digest)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,15 +146,27 @@ def main(argv: list[str] | None = None) -> int:
     what.add_argument("--check", type=Path)
     p.add_argument("--methods", default=None, help="comma-separated (default: every registered method)")
     p.add_argument("--data-dir", default=None)
+    p.add_argument("--values", action="store_true", help="the machine-independent form (module docstring)")
+    p.add_argument("--synthetic", action="store_true", help="on the synthetic TRACE tree of tests/helpers.py")
     args = p.parse_args(argv)
     methods = args.methods.split(",") if args.methods else sorted(registry.available())
-    found = digests(methods, args.data_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        data_dir = args.data_dir
+        if args.synthetic:
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+            from helpers import make_trace
+
+            data_dir = str(make_trace(Path(tmp) / "trace"))
+        found = smoke_runs(methods, data_dir, values if args.values else digest)
     if args.write:
         args.write.parent.mkdir(parents=True, exist_ok=True)
         args.write.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
         return 0
     expected = json.loads(args.check.read_text())
-    changed = {m: [k for k in found[m] if found[m][k] != expected.get(m, {}).get(k)] for m in methods}
+    if args.values:
+        changed = {m: values_differ(found[m], expected.get(m, {})) for m in methods}
+    else:
+        changed = {m: [k for k in found[m] if found[m][k] != expected.get(m, {}).get(k)] for m in methods}
     changed = {m: keys for m, keys in changed.items() if keys}
     for m, keys in changed.items():
         print(f"{m}: differs in {', '.join(keys)}")

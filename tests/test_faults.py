@@ -234,10 +234,10 @@ def _nan_loss_in_stage_2(monkeypatch):
 
     real = TorchBackend.train_stage
 
-    def train_stage(self, method, optimizer, stage, epochs, pad_id, on_step=None, replay_rows=None):
+    def train_stage(self, method, optimizer, stage, epochs, pad_id, on_step=None, *args, **kwargs):
         def report(step, parts):
             on_step(step, {**parts, "lm": float("nan")} if stage.index == 1 and step == 1 else parts)
-        return real(self, method, optimizer, stage, epochs, pad_id, report, replay_rows)
+        return real(self, method, optimizer, stage, epochs, pad_id, report, *args, **kwargs)
 
     monkeypatch.setattr(TorchBackend, "train_stage", train_stage)
 
@@ -273,9 +273,10 @@ FAILED = [  # (case, patch, extra flags, stages checkpointed, stages_done record
     ("lr 1e10 diverges", lambda mp: None, ("--method-arg", "lr=1e10"), 0, 0, "the run diverged", "failed"),
     ("nan loss in stage 2", _nan_loss_in_stage_2, (), 1, 1, "lm is nan at step 1; the run diverged", "failed"),
     # the record is written before the checkpoint, so a failure between the two records
-    # the stage as done; --resume goes by the checkpoint and redoes it
-    ("disk full once", lambda mp: _disk_full(mp, {2}), (), 1, 2, "(No space left on device)", "failed"),
-    ("disk stays full", lambda mp: _disk_full(mp, {2, 3}), (), 1, 1, "(No space left on device)", "running"),
+    # the stage as done; --resume goes by the checkpoint and redoes it (run.json writes:
+    # 1 when the run starts, 2 after stage 1, 3 after stage 2)
+    ("disk full once", lambda mp: _disk_full(mp, {3}), (), 1, 2, "(No space left on device)", "failed"),
+    ("disk stays full", lambda mp: _disk_full(mp, {3, 4}), (), 1, 1, "(No space left on device)", "running"),
     ("checkpoint disk full", _checkpoint_disk_full, (), 1, 2, "cannot write the checkpoint", "failed"),
 ]
 

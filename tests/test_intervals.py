@@ -102,6 +102,9 @@ def test_compare_gives_paired_differences(tmp_path, capsys):
     assert bwt["diff"] == pytest.approx(75.0) and bwt["run"] == pytest.approx(-25.0)
     assert bwt["ci"][0] > 0 and bwt["p"] < 0.05
     assert comp["summaries"]["stage_acc"]["diff"] == pytest.approx(18.75)
+    first, second = (comp["tasks"][t] for t in make_record(forgets)[0]["tasks"])  # final scores per task
+    assert (first["run"], first["baseline"], first["diff"]) == (75.0, 0.0, 75.0) and first["ci"][0] > 0
+    assert second["diff"] == 0.0 and second["ci"] == (0.0, 0.0) and second["p"] == 1.0
     same = compare([a, a], resamples=100)["comparisons"][0]["summaries"]["last_acc"]
     assert same["ci"] == (0.0, 0.0) and same["p"] == 1.0 and same["diff"] == 0.0
     assert "not distinguishable" in format_comparison(compare([a, a], resamples=100))
@@ -129,3 +132,71 @@ def test_compare_refuses_runs_that_differ_and_says_how(tmp_path, capsys, change,
     assert run_cli("compare", a, b) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "not comparable" in err and message in err
+
+
+def test_bwt_format_and_content_are_each_the_hand_value():
+    """Catches: BWT's format and content parts swapped where the summaries are
+    assembled (intervals._summaries); their sum, checked above, is the same.
+
+    SCORES, task 0: R[0][0] = 75 with every answer well formed (F = 1, C = 75);
+    R[1][0] = 25 with one answer in four well formed (F = 0.25, C = 25 / 0.25 =
+    100). format = (0.25 - 1)·(100 + 75)/2 = -65.625; content = BWT - format
+    = -50 + 65.625 = 15.625 (one earlier task: no averaging)."""
+    record, preds = make_record(SCORES)
+    iv = run_intervals(RunRecord.from_json(record), preds, resamples=50)
+    assert iv["summary"]["bwt_format"] == pytest.approx(-65.625)
+    assert iv["summary"]["bwt_content"] == pytest.approx(15.625)
+    lo, hi = iv["summary_ci"]["bwt_format"]
+    assert lo <= -65.625 <= hi
+
+
+# Two runs over 10 items per task whose last-stage item scores vary and are
+# correlated: the second differs from the first on three last-stage items only.
+VARIED = {(0, 0): [100] * 7 + [0] * 3, (0, 1): [0, 100] * 5,
+          (1, 0): [100, 0, 100, 100, 0, 0, 100, 0, 100, 0], (1, 1): [100, 100, 0, 100, 0, 100, 0, 0, 100, 100]}
+VARIED_B = {**VARIED, (1, 0): [100, 100, 100, 100, 0, 100, 100, 0, 100, 0],
+            (1, 1): [100, 100, 0, 100, 0, 100, 100, 0, 100, 100]}
+
+
+def test_a_run_compared_with_itself_on_varying_items_differs_by_exactly_zero(tmp_path):
+    """Catches: the baseline's replicates unpaired from the run's (permuted, or
+    drawn with another seed): a run against itself then gets a spread interval.
+
+    The items vary (each summary's own interval is wide), yet every summary's
+    difference with itself is 0 in every replicate: interval (0, 0), p = 1."""
+    record, preds = make_record(VARIED, n_test=10)
+    a = write_run(tmp_path / "a", record, preds)
+    own = run_intervals(RunRecord.from_json(record), preds, resamples=200)
+    assert own["summary_ci"]["last_acc"][1] - own["summary_ci"]["last_acc"][0] > 10
+    rows = compare([a, a], resamples=200)["comparisons"][0]["summaries"]
+    assert {"last_acc", "stage_acc", "bwt", "forgetting"} <= rows.keys()
+    for name, r in rows.items():
+        assert r["diff"] == 0.0 and r["ci"] == (0.0, 0.0) and r["p"] == 1.0, name
+
+
+def test_compare_interval_is_the_hand_paired_difference_and_narrower_than_unpaired(tmp_path):
+    """Catches: the pairing of compare's bootstrap lost (the baseline's replicates
+    permuted or drawn with another seed).
+
+    Last Acc's difference, by hand: replicate r draws items idx_j[r] of each task j
+    (bootstrap.draws, seed intervals.SEED) and is mean_j mean_i (b - a)[1][j][idx_j[r, i]];
+    compare's interval is the percentile interval of those. Two independent draws,
+    one per run, give a wider interval: the runs' item scores are correlated."""
+    from cl_bench.intervals import SEED
+    from cl_bench.metrics import bootstrap
+
+    a = write_run(tmp_path / "a", *make_record(VARIED, n_test=10))
+    b = write_run(tmp_path / "b", *make_record(VARIED_B, n_test=10))
+    B = 400
+    got = compare([a, b], resamples=B)["comparisons"][0]["summaries"]["last_acc"]
+    sa = [np.array(VARIED[1, j], float) for j in range(2)]
+    sb = [np.array(VARIED_B[1, j], float) for j in range(2)]
+    idx = bootstrap.draws([10, 10], B, SEED)
+    paired = np.mean([(sb[j] - sa[j])[idx[j]].mean(axis=1) for j in range(2)], axis=0)  # (B,)
+    assert got["diff"] == pytest.approx(15.0)  # ((70 - 50) + (70 - 60)) / 2
+    assert got["ci"] == pytest.approx(tuple(np.percentile(paired, [2.5, 97.5])))
+    other = bootstrap.draws([10, 10], B, SEED + 1)
+    unpaired = (np.mean([sb[j][idx[j]].mean(axis=1) for j in range(2)], axis=0)
+                - np.mean([sa[j][other[j]].mean(axis=1) for j in range(2)], axis=0))
+    lo, hi = np.percentile(unpaired, [2.5, 97.5])
+    assert got["ci"][1] - got["ci"][0] < 0.6 * (hi - lo)

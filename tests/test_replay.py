@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from cl_bench import results
+from cl_bench import registry, results
 from cl_bench.benchmarks.trace import load_task
 from cl_bench.config import ReplayConfig
 from cl_bench.replay import ReplayBuffer
@@ -111,3 +111,59 @@ def test_buffer_survives_resume(trace_dir, tmp_path, monkeypatch):
 def test_bad_replay_settings_fail_early(trace_dir, tmp_path, capsys):
     assert run_cli(*smoke_args(trace_dir, tmp_path / "o", "--set", "replay.policy=mixed")) == 2
     assert "replay.policy" in capsys.readouterr().err
+
+
+REPLAYING = sorted(name for name in registry.available() if registry.get(name).uses_replay)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", REPLAYING)
+def test_every_replaying_method_replays_only_the_buffer_of_earlier_tasks_at_its_budget(
+        name, trace_dir, tmp_path, monkeypatch):
+    """Catches: replayed rows drawn from the current stage's tasks instead of the
+    buffer of earlier tasks; and a replaying method other than `replay` given more
+    than the run's one budget (more examples stored for it, or more replay
+    micro-batches a step). Every method that declares uses_replay, on its smoke run
+    with replay.per_task=2:
+    - the buffer stores exactly 2 examples of each task (`stored`, `size`);
+    - every row that reaches replay_loss during stage s is, token for token, an
+      example the buffer held when stage s began: one added after an earlier stage
+      (so none of stage s's own examples);
+    - one replay micro-batch (micro_batch_size rows) per step that logs replay
+      parts, and `used` counts exactly the rows replay_loss saw."""
+    cls = registry.get(name)
+    seen = {"stage": None, "buffer": [], "replayed": []}  # buffer: (stage added after, example)
+    real_add, real_before, real_replay = ReplayBuffer.add_task, cls.before_task, cls.replay_loss
+
+    def add_task(self, task):
+        before = len(self.entries)
+        real_add(self, task)
+        seen["buffer"] += [(seen["stage"], self._examples[key]) for key in self.entries[before:]]
+
+    def before_task(self, stage):
+        seen["stage"] = stage.index
+        return real_before(self, stage)
+
+    def replay_loss(self, batch, step):
+        held = {tuple(self.ctx.encoder.train_example(e.prompt, e.answer)["input_ids"]): s
+                for s, e in seen["buffer"]}
+        for ids, n in zip(batch["input_ids"].tolist(), batch["attention_mask"].sum(1).tolist()):
+            row = tuple(ids[:n])
+            assert row in held, f"stage {seen['stage']}: a replayed row is not in the buffer"
+            assert held[row] < seen["stage"], f"stage {seen['stage']}: replayed a row of stage {held[row]}"
+            seen["replayed"].append((seen["stage"], row))
+        return real_replay(self, batch, step)
+
+    monkeypatch.setattr(ReplayBuffer, "add_task", add_task)
+    monkeypatch.setattr(cls, "before_task", before_task)
+    monkeypatch.setattr(cls, "replay_loss", replay_loss)
+    out = tmp_path / "runs"
+    assert run_cli(*smoke_args(trace_dir, out, "--method", name, "--set", "replay.per_task=2")) == 0
+    record, run_dir = record_of(out)
+    assert record["replay"]["stored"] == {"NumGLUE-cm": 2, "Py150": 2, "20Minuten": 2}
+    assert record["replay"]["size"] == 6 and len(seen["buffer"]) == 6
+    replay_steps = [s for s in results.read_jsonl(run_dir / "metrics.jsonl")
+                    if any(k.startswith("replay_") for k in s)]
+    micro = record["config"]["train"]["micro_batch_size"]
+    assert replay_steps and {s["stage"] for s in replay_steps} == {1, 2}
+    assert len(seen["replayed"]) == micro * len(replay_steps) == record["replay"]["used"]

@@ -13,12 +13,16 @@ from cl_bench.config import RunConfig
 from cl_bench.errors import UserError
 from cl_bench.generation import greedy_generate
 from cl_bench import precision
+from cl_bench.replay import sample_rows
 
 T = TypeVar("T")
 
 
 class Backend:
     name = ""
+    # Whether train.checkpoint_every_s can checkpoint inside a phase: the model, the
+    # optimiser and the gradients are ordinary objects of this process between steps.
+    in_stage_checkpoints = True
 
     def __init__(self, config: RunConfig, device: torch.device):
         self.config = config
@@ -53,6 +57,16 @@ class Backend:
         """What the run record states about how the run was trained."""
         return {"name": self.name, "world_size": self.world_size,
                 "precision": {"train": self.train_precision, "eval": self.eval_precision}}
+
+
+def replay_key(seed: int, stage, epoch: int, step: int) -> str:
+    """The key of a step's replay draw (cl_bench.replay.sample_rows): one per step."""
+    return f"{seed}/{stage.label}/{epoch}/{step}"
+
+
+def skipped_replay(replay_rows: list[dict] | None, n: int, seed: int, stage, epoch: int, step: int) -> int:
+    """Replay examples a step passed over on resume had used (its draw, not computed)."""
+    return len(sample_rows(replay_rows, n, replay_key(seed, stage, epoch, step))) if replay_rows else 0
 
 
 def check_support(method_cls, config: RunConfig) -> None:

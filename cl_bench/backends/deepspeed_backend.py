@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 import yaml
 
-from cl_bench.backends.base import Backend
+from cl_bench.backends.base import Backend, replay_key, skipped_replay
 from cl_bench.backends.torch_backend import StepCallback
 from cl_bench.backends.zero_engine import ZeroPhase
 from cl_bench.config import RunConfig
@@ -152,6 +152,9 @@ class _Job:
 
 class DeepSpeedBackend(Backend):
     name = "deepspeed"
+    # inside a phase the engine holds the partitioned weights and optimiser state:
+    # checkpoints are taken at stage ends only (train.checkpoint_every_s is not used)
+    in_stage_checkpoints = False
 
     def __init__(self, config: RunConfig):
         import deepspeed  # only here: the torch backend never imports it
@@ -245,7 +248,7 @@ class DeepSpeedBackend(Backend):
     def train_stage(self, method: Method, optimizer: torch.optim.Optimizer, stage: Stage,
                     epochs: list[list[dict]], pad_id: int,
                     on_step: StepCallback | None = None,
-                    replay_rows: list[dict] | None = None) -> int:
+                    replay_rows: list[dict] | None = None, start_step: int = 0) -> int:
         """As TorchBackend.train_stage, on one engine built for this phase."""
         if not any(len(rows) for rows in epochs):
             return 0
@@ -259,11 +262,16 @@ class DeepSpeedBackend(Backend):
             for epoch, rows in enumerate(epochs):
                 order = epoch_order(len(rows), self.config.seed, stage.label, epoch)
                 for batch in steps(rows, order, t.batch_size, t.micro_batch_size, pad_id):
+                    if step < start_step:
+                        replayed += skipped_replay(replay_rows, t.micro_batch_size, self.config.seed, stage,
+                                                   epoch, step)
+                        step += 1
+                        continue
                     jobs = [_Job(m, int((m["labels"] != IGNORE).sum()) / max(batch.n_tokens, 1), method.loss, "")
                             for m in batch.micro_batches]
                     if replay_rows:
                         rows_r = sample_rows(replay_rows, t.micro_batch_size,
-                                             f"{self.config.seed}/{stage.label}/{epoch}/{step}")
+                                             replay_key(self.config.seed, stage, epoch, step))
                         jobs.append(_Job(collate(rows_r, pad_id), 1.0, method.replay_loss, "replay_"))
                         replayed += len(rows_r)
                     parts: dict[str, float] = {}

@@ -6,7 +6,7 @@ from typing import Callable
 import torch
 
 from cl_bench import precision
-from cl_bench.backends.base import Backend
+from cl_bench.backends.base import Backend, replay_key, skipped_replay
 from cl_bench.data import IGNORE, collate, epoch_order, steps
 from cl_bench.method import Method, Stage
 from cl_bench.replay import sample_rows
@@ -20,14 +20,16 @@ class TorchBackend(Backend):
     def train_stage(self, method: Method, optimizer: torch.optim.Optimizer, stage: Stage,
                     epochs: list[list[dict]], pad_id: int,
                     on_step: StepCallback | None = None,
-                    replay_rows: list[dict] | None = None) -> int:
+                    replay_rows: list[dict] | None = None, start_step: int = 0) -> int:
         """Run every optimiser step of `stage`; `epochs[e]` holds the tokenised rows of
         epoch e. Micro-batch losses are weighted by their share of the step's answer
         tokens, so a step's gradient does not depend on how it is split. With
         `replay_rows`, each step adds one replay micro-batch through
         `method.replay_loss` (the interleave policy). Forward passes run under the
         training precision's autocast (bf16: fp32 weights, gradients and optimiser
-        state). Returns the number of replay examples used."""
+        state). Steps before `start_step` were taken before an in-stage checkpoint:
+        they are passed over (their replay draws counted, nothing computed). Returns
+        the number of replay examples used."""
         t = self.config.train
         model = method.model
         model.train()
@@ -37,6 +39,10 @@ class TorchBackend(Backend):
         for epoch, rows in enumerate(epochs):
             order = epoch_order(len(rows), self.config.seed, stage.label, epoch)
             for batch in steps(rows, order, t.batch_size, t.micro_batch_size, pad_id):
+                if step < start_step:
+                    replayed += skipped_replay(replay_rows, t.micro_batch_size, self.config.seed, stage, epoch, step)
+                    step += 1
+                    continue
                 optimizer.zero_grad(set_to_none=True)
                 parts_sum: dict[str, float] = {}
                 for micro in batch.micro_batches:
@@ -48,8 +54,7 @@ class TorchBackend(Backend):
                     for key, value in parts.items():
                         parts_sum[key] = parts_sum.get(key, 0.0) + value * weight
                 if replay_rows:
-                    rows_r = sample_rows(replay_rows, t.micro_batch_size,
-                                         f"{self.config.seed}/{stage.label}/{epoch}/{step}")
+                    rows_r = sample_rows(replay_rows, t.micro_batch_size, replay_key(self.config.seed, stage, epoch, step))
                     micro = {k: v.to(self.device) for k, v in collate(rows_r, pad_id).items()}
                     with autocast():
                         loss, parts = method.replay_loss(micro, step)

@@ -1,4 +1,4 @@
-"""`cl-bench perf WHAT`: the measurements behind the README's performance figures.
+"""`cl-bench perf WHAT`: the measurements behind the performance figures of docs/running.md.
 
 harness.py   zero-shot (a method's zero-shot row against another's), generation (batched against one-at-a-time decoding), harness (a
              training stage of `--method` through the backend against a bare

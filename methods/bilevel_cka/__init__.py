@@ -253,9 +253,14 @@ class BilevelCKA(Method):
 
     # ---- records and resume ------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        if self._task is not None:  # inside a task (an in-stage checkpoint): its search so far
+            return {"task": self._task.state_dict()}
         return {"layout": group_sizes(self.model), "active": {i: list(v) for i, v in self._active.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "task" in state:  # before_task has built the task again (cl_bench/run_state.py)
+            self._task.load_state_dict(state["task"])
+            return
         rebuild(self.model, state["layout"], **moe_settings(self.args))
         train_newest_group(self.model, self.args.train_shared)
         self._active = {int(i): list(v) for i, v in state["active"].items()}

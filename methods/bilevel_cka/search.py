@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -98,6 +98,26 @@ class _Task:
     # the CKA reference's features per row: (autocast dtype, token ids) -> {layer: (n, d)}
     reference: dict[tuple, dict[int, torch.Tensor]] = field(default_factory=dict)
     cka: list[list[float]] = field(default_factory=list)  # per replay step, per deep layer
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the task's steps have changed so far (an in-stage checkpoint); the rest
+        (supernets, snapshot, schedule) is what before_task builds again."""
+        return {"generator": self.generator.get_state(), "tau": self.tau, "updates": self.updates,
+                "logits": None if self.logits is None else self.logits.detach().clone(),
+                "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+                "pi": self.pi, "pi_step": self.pi_step, "task_batch": self.task_batch,
+                "task_batches": list(self.task_batches), "replay_batch": self.replay_batch, "cka": self.cka}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+        self.tau, self.updates, self.pi, self.pi_step = state["tau"], state["updates"], state["pi"], state["pi_step"]
+        if self.logits is not None:
+            with torch.no_grad():
+                self.logits.copy_(state["logits"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.task_batch, self.replay_batch, self.cka = state["task_batch"], state["replay_batch"], state["cka"]
+        self.task_batches.clear()
+        self.task_batches.extend(state["task_batches"])
 
     def set_masks(self, pi: torch.Tensor) -> None:
         """pi (L_c, K): row c gates the clones of the c-th candidate layer."""

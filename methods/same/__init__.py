@@ -245,6 +245,32 @@ class SAME(Method):
 
     # ---- records and resume -----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        state = self._tables()
+        if self._task is not None:  # inside a task (an in-stage checkpoint): what its steps changed
+            state["task"] = self._task_state()
+        return state
+
+    def _task_state(self) -> dict[str, Any]:
+        task = self._task
+        sub = lambda s: None if s is None else dataclasses.asdict(s)  # noqa: E731
+        return {"bases": [{k: sub(s) for k, s in b.items()} for b in task.bases], "ranks": task.ranks,
+                "layer_norms": task.layer_norms, "frozen_steps": task.frozen_steps, "locked_at": task.locked_at,
+                "steps": task.steps, "grad_norms": task.grad_norms,
+                "buffers": [{p: {"frozen": lin.frozen.clone(), "usage": lin.usage.clone(), "acc": lin.acc.clone()}
+                             for p, lin in layer.items()} for layer in self.linears]}
+
+    def _load_task_state(self, state: dict[str, Any]) -> None:
+        task, device = self._task, device_of(self.model)
+        task.bases = [{k: None if s is None else Subspace(**s).to(device) for k, s in b.items()}
+                      for b in state["bases"]]
+        task.ranks, task.layer_norms, task.frozen_steps = state["ranks"], state["layer_norms"], state["frozen_steps"]
+        task.locked_at, task.steps, task.grad_norms = state["locked_at"], state["steps"], state["grad_norms"]
+        for layer, saved in zip(self.linears, state["buffers"]):
+            for p, lin in layer.items():
+                for name, value in saved[p].items():
+                    getattr(lin, name).copy_(value)
+
+    def _tables(self) -> dict[str, Any]:
         return {
             "n_experts": self.n_experts,
             "covs": [{k: cov.state_dict() for k, cov in covs.items()} for covs in self.covs],
@@ -272,6 +298,8 @@ class SAME(Method):
             for p, lin in layer.items():
                 lin.importance.copy_(saved[p])
                 lin.importance_ref.copy_(ref[p])
+        if "task" in state:  # before_task has built the task again (cl_bench/run_state.py)
+            self._load_task_state(state["task"])
 
     def param_report(self) -> dict[str, Any]:
         params = list(self.model.parameters())

@@ -61,6 +61,36 @@ def test_branch_then_mix_train_what_they_should():
         assert method.make_optimizer(trainable_groups(method.model)).param_groups[0]["lr"] == method.args.router_lr
 
 
+def test_every_branch_starts_from_the_pretrained_mlp_which_no_mix_changes():
+    """BTX branches from the seed: task t's branch is a fresh copy of the pretrained
+    dense MLP, and after each mix the layer's dense MLP (the shared path) is still the
+    pretrained one, while the new group holds the trained branch. Mutation caught: the
+    trained branch written into the seed MLP (branches chain)."""
+    cls = registry.get("btx")
+    method = cls(cls.parse_args({}), context=MethodContext.for_shapes(3))
+    model, _, _ = tiny_llama(0)
+    seed = {n: p.detach().clone() for n, p in tiny_llama(0)[0].model.layers.named_parameters()
+            if ".mlp." in n}  # layers.{i}.mlp.{gate,up,down}_proj.weight
+    method.setup(model)
+    for t in range(2):
+        stage = Stage(t, [], f"task {t}")
+        method.before_task(stage)
+        branch, mix = method.phases(stage)
+        method.before_phase(stage, branch)
+        for i, block in enumerate(model.model.layers):
+            for name, p in block.mlp.ffn.named_parameters():
+                assert torch.equal(p, seed[f"{i}.mlp.{name}"]), (t, i, name)
+        _step(model)
+        trained = model.model.layers[0].mlp.ffn.gate_proj.weight.detach().clone()
+        assert not torch.equal(trained, seed["0.mlp.gate_proj.weight"])
+        method.before_phase(stage, mix)
+        for i, layer in enumerate(moe.moe_layers(model)):
+            for name, p in layer.dense.named_parameters():
+                assert torch.equal(p, seed[f"{i}.mlp.{name}"]), (t, i, name)
+        torch.testing.assert_close(moe.moe_layers(model)[0].groups[-1].gate, trained.reshape(8, 16, 64),
+                                   rtol=0, atol=0)
+
+
 def test_params_schedule_grows_by_one_group_per_task():
     from cl_bench.models.params import schedule_report
 

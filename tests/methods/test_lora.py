@@ -78,3 +78,30 @@ def test_lora_smoke_run_leaves_the_base_bit_identical(trace_dir, tmp_path):
 def test_unknown_target_module_is_a_user_error(name):
     with pytest.raises(UserError, match="target_modules"):
         make_method(name, target_modules=["qkv_proj"])
+
+
+def test_lora_adapter_and_its_moments_carry_into_the_next_stage():
+    """Catches: the adapter re-initialised at a stage boundary (e.g. peft's
+    `reset_lora_parameters` in before_task), so each stage starts from scratch
+    instead of continuing LoRA-SeqFT's one adapter.
+
+    After stage 0 trains (B moves off zero), the adapter at the start of stage 1
+    (after before_task and optimizer_for_stage, as the harness calls them) equals
+    its end-of-stage-0 values, and the optimiser keeps its AdamW moments (the
+    trainable set is unchanged, so it is the same optimiser)."""
+    method = make_method("lora", lr=1e-2)
+    first, second = stages(2)
+    optimizer = train_stage(method, first)
+    adapter = {n: p for n, p in method.model.named_parameters() if p.requires_grad}
+    end = {n: p.detach().clone() for n, p in adapter.items()}
+    moments = {n: optimizer.state[p]["exp_avg"].clone() for n, p in adapter.items()}
+    assert all(v.abs().sum() > 0 for n, v in end.items() if ".lora_B." in n)  # B trained off zero
+
+    method.before_task(second)
+    assert optimizer is method.optimizer_for_stage(second, optimizer)
+    now = {n: p for n, p in method.model.named_parameters() if p.requires_grad}
+    assert now.keys() == end.keys()
+    changed = [n for n in end if not torch.equal(now[n].detach(), end[n])]
+    assert not changed, f"{len(changed)} adapter tensors differ from the end of stage 0, e.g. {changed[0]}"
+    for n, p in now.items():
+        assert optimizer.state[p]["step"] == 3 and torch.equal(optimizer.state[p]["exp_avg"], moments[n])

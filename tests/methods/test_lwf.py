@@ -8,8 +8,8 @@ import torch
 
 from cl_bench.data import IGNORE
 from cl_bench.method import Stage
-from helpers import (TASK_A, TASK_B, TWO_TASKS, assert_same_as_seqft, distinct_stages, encode, make, make_method,
-                     make_trace, metric, only_run, record, run_cli, run_steps, smoke_args, task_batch)
+from helpers import (TASK_A, TASK_B, TWO_TASKS, answer_ce, assert_same_as_seqft, distinct_stages, encode, make,
+                     make_method, make_trace, metric, only_run, record, run_cli, run_steps, smoke_args, task_batch)
 
 # The λ = 0 reference run, seqft_two_tasks: tests/methods/conftest.py.
 
@@ -169,3 +169,44 @@ def test_lwf_kl_is_zero_at_the_first_step_of_every_stage():
     for s in (1, 2):
         assert kls[s][0] == pytest.approx(0.0, abs=1e-6), f"stage {s}: first-step KL {kls[s][0]} != 0"
         assert kls[s][1] > 1e-4, f"stage {s}: the teacher did not run ({kls[s]})"
+
+
+def test_lwf_gradient_includes_lambda_times_the_kl_gradient():
+    """Catches: the distillation term detached (`kl.detach()` in LwF.loss): it still
+    adds to the loss's value, but sends no gradient, so LwF trains as SeqFT.
+
+    At stage 1, after two steps (so the student has left the teacher and ∂KL ≠ 0),
+    the gradient of the method's loss equals ∂CE + λ·∂KL, both computed here: CE by
+    hand, and T²·KL(p_teacher ‖ p_student) in float64 from the two models' logits on
+    the answer positions. λ·∂KL is a sizeable share of the whole gradient, far
+    beyond the tolerance, so a loss without it fails."""
+    lam = 2.0
+    method = make_method("lwf", lr=1e-2, lambda_kl=lam)
+    first, second = distinct_stages(2)
+    method.before_task(first)
+    optimizer = run_steps(method, first, encode(method, first.tasks[0].train[:4]), 2)
+    method.after_task(first)
+    method.before_task(second)
+    batch = encode(method, second.tasks[0].train[:4])
+    run_steps(method, second, batch, 2, optimizer)
+
+    method.model.eval()  # no dropout: the loss is a function of the weights
+    params = [p for p in method.model.parameters() if p.requires_grad]
+    loss, parts = method.loss(batch, 2)
+    got = torch.autograd.grad(loss, params)
+
+    T = method.args.temperature
+    answer = batch["labels"][:, 1:] != IGNORE
+    student = method.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    with torch.no_grad():
+        teacher = method.teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    p = torch.softmax(teacher[:, :-1][answer].double() / T, -1)
+    log_q = torch.log_softmax(student[:, :-1][answer].double() / T, -1)
+    kl = T ** 2 * (p * (p.log() - log_q)).sum(-1).mean()
+    assert parts["kl"] == pytest.approx(kl.item(), rel=1e-4) and kl.item() > 1e-3
+    kl_grad = torch.autograd.grad(kl, params, retain_graph=True)
+    ce_grad = torch.autograd.grad(answer_ce(method.model, batch), params)
+    flat = lambda gs: torch.cat([g.reshape(-1).double() for g in gs])  # noqa: E731
+    expected, distil = flat(ce_grad) + lam * flat(kl_grad), lam * flat(kl_grad)
+    assert distil.norm() > 0.05 * expected.norm()  # the term matters
+    torch.testing.assert_close(flat(got), expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))

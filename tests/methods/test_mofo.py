@@ -102,3 +102,36 @@ def test_mofo_runs_end_to_end(trace_dir, tmp_path):
     assert rec["status"] == "complete"
     assert rec["method_args"]["alpha"] == 0.15 and rec["method_args"]["beta2"] == 0.999
     assert all(v is not None for b, row in enumerate(rec["matrix"]) for v in row[:b + 1])
+
+
+def test_the_method_trains_with_the_filtered_optimiser():
+    """Catches: MoFO.make_optimizer returning plain AdamW (the filtered optimiser,
+    tested above on its own, then never used by the method).
+
+    The registered method on the tiny Llama, through the harness's hooks
+    (optimizer_for_stage, loss, step): in each real step every weight matrix moves
+    in at most ⌊α·numel⌋ entries, and in some of them (Adam moves every entry with
+    a gradient: all of them, for the non-embedding matrices); 1-D tensors (the
+    norms) move fully."""
+    from helpers import distinct_stages, encode, make_method, run_steps
+
+    alpha = 0.1
+    method = make_method("mofo", lr=1e-3, alpha=alpha)
+    stage = distinct_stages(1)[0]
+    named = [(n, p) for n, p in method.model.named_parameters() if p.requires_grad]
+    before: dict[str, torch.Tensor] = {}
+    moved_by_step: list[dict[str, int]] = []
+
+    def snapshot(step, loss, parts):  # after backward, before the optimiser step
+        if before:
+            moved_by_step.append({n: int((p.detach() != before[n]).sum()) for n, p in named})
+        before.update({n: p.detach().clone() for n, p in named})
+
+    run_steps(method, stage, encode(method, stage.tasks[0].train[:4]), 4, on_step=snapshot)
+    assert len(moved_by_step) == 3  # the moves of steps 0, 1 and 2
+    for moved in moved_by_step:
+        for n, p in named:
+            if p.dim() >= 2:
+                assert 0 < moved[n] <= math.floor(alpha * p.numel()), f"{n}: {moved[n]} of {p.numel()} moved"
+            else:
+                assert moved[n] == p.numel(), n

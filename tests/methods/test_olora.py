@@ -220,3 +220,25 @@ def test_olora_training_lowers_orthogonality_against_lambda1_zero():
     assert orth_end[0.5] < orth_start[0.5]
     assert orth_end[0.5] < 0.9 * orth_end[0.0], \
         f"orth after task 1: λ1=0.5 -> {orth_end[0.5]}, λ1=0 -> {orth_end[0.0]}"
+
+
+def test_olora_lambda2_shrinks_the_new_pair_against_lambda2_zero():
+    """Catches: O-LoRA's L2 term left out of the gradient (dropped from the loss,
+    or detached), which its default λ2 = 0 never exercises.
+
+    Two runs from the same seed on the same batches, λ2 = 1 and λ2 = 0 (λ1 = 0, so
+    only the L2 term differs): after task 1's steps, ‖A_1‖_F + ‖B_1‖_F summed over
+    the modules (computed here from the model) is clearly smaller with λ2 = 1."""
+    first, second = distinct_stages(2)
+    l2_end = {}
+    for lambda2 in (1.0, 0.0):
+        method = make_method("olora", lr=1e-2, lambda1=0.0, lambda2=lambda2)
+        torch.manual_seed(1)  # the same pair inits and dropout masks in both runs
+        method.before_task(first)
+        optimizer = run_steps(method, first, encode(method, first.tasks[0].train[:4]), 2)
+        method.after_task(first)
+        method.before_task(second)
+        run_steps(method, second, encode(method, second.tasks[0].train[:4]), 6, optimizer)
+        with torch.no_grad():
+            l2_end[lambda2] = l2_by_hand(method.model).item()
+    assert l2_end[1.0] < 0.95 * l2_end[0.0], l2_end

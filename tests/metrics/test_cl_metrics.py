@@ -150,3 +150,16 @@ def test_learning_gain_against_the_zero_shot_row():
     assert learn_gain(R3, [20, 30, 70]) == pytest.approx(40.0)
     assert learn_gain(R3, None) is None
     assert learn_gain([[80, N, N], [85, N, N], [60, 85, 70]], [20, 30, 70]) is None  # R[1][1] missing
+
+
+def test_stage_acc_ignores_entries_above_the_diagonal():
+    # eval_all: every row scores every task, so row b also holds tasks not yet
+    # trained (j > b); Stage Acc averages each row over j <= b only:
+    #   row 0: 80; row 1: (60 + 90)/2 = 75; row 2: (50 + 70 + 60)/3 = 60 -> (80 + 75 + 60)/3 = 215/3.
+    # Over all columns it would be ((80+10+20)/3 + (60+90+30)/3 + 60)/3 = (110/3 + 60 + 60)/3 = 470/9.
+    R = [[80, 10, 20],
+         [60, 90, 30],
+         [50, 70, 60]]
+    assert stage_acc(R) == pytest.approx(215 / 3)
+    # An unscored entry on or below the diagonal leaves its row's mean over the rest.
+    assert stage_acc([[80, 10, 20], [N, 90, 30], [50, 70, 60]]) == pytest.approx((80 + 90 + 60) / 3)

@@ -1,0 +1,72 @@
+"""Which code a campaign's run imports: a clone of one commit of the repository,
+made once under <root>/.campaign/code-<commit>, so that editing the tree while a
+campaign runs changes nothing a run imports, and a run's record names that commit.
+A new run takes HEAD (a tree with uncommitted changes is refused: the clone would
+not hold them); a resumed run takes the commit it started from, so that no run
+mixes two versions of the code.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from cl_bench.campaign.plan import Entry
+from cl_bench.errors import UserError
+
+
+def git(root: Path, *argv: str) -> str:
+    return subprocess.run(["git", "-C", str(root), *argv], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def repository_root(start: Path) -> Path:
+    try:
+        return Path(git(start, "rev-parse", "--show-toplevel"))
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        raise UserError(f"{start}: not inside a git repository; run the campaign from the cl-bench checkout "
+                        f"(or give --root): each run is pinned to a commit") from None
+
+
+def commit_of(entry: Entry, record: dict | None, root: Path) -> str:
+    """The commit whose code the entry runs: HEAD for a new run, the commit it
+    started from for one that has a record."""
+    if record is not None:
+        started = record.get("git_commit") or ""
+        try:
+            if started and "+" not in started:
+                return git(root, "rev-parse", "--verify", "--quiet", f"{started}^{{commit}}")
+        except subprocess.CalledProcessError:
+            pass
+        raise UserError(f"{entry.run_dir} started from {started or 'an unrecorded commit'}, which is not a "
+                        f"commit of this repository; resume it by hand (cl-bench run --resume "
+                        f"{entry.run_dir}) or take it out of the plan")
+    if git(root, "status", "--porcelain", "--untracked-files=no"):
+        raise UserError(f"{root}: the tree has uncommitted changes; commit them (new runs run a clone of HEAD)")
+    return git(root, "rev-parse", "HEAD")
+
+
+def link_packages(code: Path) -> None:
+    """Make `code` importable from PYTHONPATH as the editable install imports the
+    tree: each package that pyproject.toml's package-dir maps to another folder
+    (cl_bench.methods -> methods/) linked where the import system looks for it."""
+    import tomllib
+
+    mapping = tomllib.loads((code / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for package, folder in sorted(mapping.items(), key=lambda kv: kv[0].count(".")):
+        where = code / package.replace(".", "/")
+        if "." in package and not where.exists():
+            where.symlink_to(os.path.relpath(code / folder, where.parent), target_is_directory=True)
+
+
+def checkout(root: Path, commit: str) -> Path:
+    """A clone of the repository at `commit` with its packages linked, made once under
+    .campaign/ (built beside and renamed, so a failed clone leaves nothing behind)."""
+    code = root / ".campaign" / f"code-{commit[:12]}"
+    if not code.is_dir():
+        partial = code.with_name(code.name + ".partial")
+        subprocess.run(["rm", "-rf", str(partial)], check=True)
+        subprocess.run(["git", "clone", "--quiet", "--no-checkout", str(root), str(partial)], check=True)
+        git(partial, "checkout", "--quiet", commit)
+        link_packages(partial)
+        partial.rename(code)
+    return code
