@@ -178,11 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", type=Path, help="the repository the plan's paths start from (default: the git "
                                              "checkout holding the working directory)")
     p = sub.add_parser("perf", help="measure generation speed-up, harness overhead, MoE dispatch, "
-                                    "the loss upcycling adds before training, deepspeed's per-step cost, or fp32 against bf16")
-    p.add_argument("what", choices=["generation", "harness", "moe", "upcycle-gap", "deepspeed", "precision"])
-    p.add_argument("--method", help="harness, deepspeed: the method whose stage is timed (default: the baseline)")
+                                    "the loss upcycling adds before training, deepspeed's per-step cost, fp32 against bf16, "
+                                    "or a method's step against another's and the passes it needs")
+    p.add_argument("what", choices=["generation", "harness", "moe", "upcycle-gap", "deepspeed", "precision", "step",
+                                  "zero-shot"])
+    p.add_argument("--method", help="harness, deepspeed, step: the method whose stage is timed (default: the baseline)")
+    p.add_argument("--against", default="upcycle", help="step, zero-shot: the method it is timed against")
+    p.add_argument("--method-arg", action="append", metavar="K=V", help="step: an argument of --method (repeatable)")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--task", help="task(s) or order; default NumGLUE-ds (upcycle-gap: paper6)")
+    p.add_argument("--task", help="task(s) or order; default NumGLUE-ds (upcycle-gap: paper6; step: Py150,NumGLUE-ds)")
     p.add_argument("--n", type=int, default=32, help="prompts (generation) or examples (harness)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=32)

@@ -214,6 +214,15 @@ class Method:
         Default: the ordinary loss, added with weight 1."""
         return self.loss(batch, step)
 
+    def step_passes(self, micro_batches: list[dict[str, torch.Tensor]], replay: dict[str, torch.Tensor] | None,
+                    step: int) -> dict[str, typing.Callable[[], Any]]:
+        """For `cl-bench perf step`: the passes an optimiser step `step` of the current
+        stage needs beyond the task micro-batches' forward and backward (which the
+        harness times itself), by name, each a thunk that runs it alone on these
+        batches (`replay`: the step's replay micro-batch). The caller clears gradients.
+        Default: none."""
+        return {}
+
     def before_step(self, step: int) -> None:
         """Called once a step's gradients are accumulated, before clipping and the
         optimiser step (gradient projection, masking ...)."""

@@ -1,11 +1,13 @@
 """`cl-bench perf WHAT`: the measurements behind the performance figures of docs/running.md.
 
-harness.py   generation (batched against one-at-a-time decoding), harness (a
+harness.py   zero-shot (a method's zero-shot row against another's), generation (batched against one-at-a-time decoding), harness (a
              training stage of `--method` through the backend against a bare
              loop), deepspeed (one rank against the torch backend)
 moe.py       moe (dispatch cost against the number of experts), upcycle-gap (the
              loss upcycling adds before any training)
 precision.py precision (fp32 against bf16: training and decoding speed, agreement)
+step.py      step (one optimiser step of a method against another's, and the passes
+             it needs, each timed alone on the same batches)
 
 Each returns a JSON-ready dict; repeats alternate the sides and report medians.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from cl_bench.perf import harness, moe, precision
+from cl_bench.perf import harness, moe, precision, step
 
 MEASUREMENTS: dict[str, Callable[[Any], dict]] = {
     "generation": harness.generation,
@@ -22,8 +24,10 @@ MEASUREMENTS: dict[str, Callable[[Any], dict]] = {
     "moe": lambda args: moe.moe_benchmark(repeats=args.repeats),
     "upcycle-gap": moe.upcycle_gap,
     "precision": precision.precision_benchmark,
+    "step": step.step,
+    "zero-shot": harness.zero_shot,
 }
-DEFAULT_TASK = {"upcycle-gap": "paper6"}  # the others: one task, NumGLUE-ds
+DEFAULT_TASK = {"upcycle-gap": "paper6", "zero-shot": "paper6", "step": "Py150,NumGLUE-ds"}  # the others: one task, NumGLUE-ds
 
 
 def run(what: str, args) -> dict:

@@ -3,6 +3,8 @@
 generation: batched greedy decoding (left padding, KV cache) against the same
     prompts decoded one at a time; reports both times, the speed-up and how many
     outputs are identical.
+zero-shot:  the zero-shot row of `--method` (its model after setup) against
+    `--against`'s on the profile's eval settings.
 harness:    a training stage of `--method` (default: the baseline method, full
     fine-tuning) through cl-bench's backend (method hooks, token-weighted
     accumulation, clipping, a progress bar and the step log) against a bare
@@ -15,15 +17,17 @@ Repeats alternate which side runs first and report medians.
 """
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 
 import torch
 from tqdm import tqdm
 
-from cl_bench import registry
+from cl_bench import precision, registry
 from cl_bench.backends.torch_backend import TorchBackend
-from cl_bench.benchmarks.trace import load_task, resolve_data_dir
+from cl_bench.benchmarks.trace import load_task, resolve_data_dir, resolve_order
+from cl_bench.evaluation import evaluate_task
 from cl_bench.config import build
 from cl_bench.data import IGNORE, Encoder, epoch_order, steps, tokenize_train
 from cl_bench.errors import UserError
@@ -169,3 +173,45 @@ def deepspeed(args) -> dict:
             "bf16": ds.bf16, "device": str(ds.device), "runs": out, "median": median,
             "step_ratio": median["deepspeed"]["step_s"] / median["torch"]["step_s"],
             "torch_threads": torch.get_num_threads(), "deepspeed_version": ds.ds.__version__}
+
+
+def zero_shot(args) -> dict:
+    """The zero-shot row (every task of `--task`, `--n` test items each, the `cpu`
+    profile's eval settings and precision) through `--method`'s model after its setup,
+    as the sequencer evaluates it before any training, against `--against`'s;
+    repeats alternate the sides; medians, and how many predictions are identical."""
+    config = build({**PROFILES["cpu"], "profile": "cpu", "model": args.model}, "perf")
+    loaded = load(args.model, config.seed)
+    data_dir = resolve_data_dir(args.data_dir)
+    names = resolve_order(args.task)
+    tasks = [load_task(data_dir, name, 1, args.n, config.seed) for name in names]
+    encoder = Encoder.from_config(loaded.tokenizer, config.train)
+    backend = TorchBackend(config, torch.device("cpu"))
+    models = {}
+    for name in (args.method, args.against):
+        cls = registry.get(name)
+        method = cls(cls.parse_args(cls.args_for(config)), MethodContext(config, backend.device, loaded.tokenizer,
+                                                                         all_tasks=tasks, encoder=encoder))
+        method.setup(copy.deepcopy(loaded.model))
+        models[name] = method.model.eval()
+
+    def row(name: str) -> tuple[float, list]:
+        t0 = time.perf_counter()
+        with precision.evaluation(backend.eval_precision, backend.device, models[name]):
+            evals = [evaluate_task(models[name], encoder, t, config.eval, generate=backend.generate) for t in tasks]
+        return time.perf_counter() - t0, [r["prediction"] for e in evals for r in e.rows]
+
+    sides = (args.method, args.against)
+    times: dict[str, list[float]] = {s: [] for s in sides}
+    preds = {}
+    for i in range(args.repeats):  # alternate which side goes first
+        for side in (sides if i % 2 == 0 else sides[::-1]):
+            seconds, preds[side] = row(side)
+            times[side].append(seconds)
+    median = {s: statistics.median(v) for s, v in times.items()}
+    return {"what": "zero-shot", "model": args.model, "profile": "cpu", "precision": backend.eval_precision,
+            "method": args.method, "against": args.against, "tasks": names, "test_items_per_task": args.n,
+            "eval_batch_size": config.eval.batch_size, "max_new_tokens_cap": config.eval.max_new_tokens_cap,
+            "seconds": times, "median_s": median, "ratio": median[args.method] / median[args.against],
+            "identical_predictions": sum(a == b for a, b in zip(preds[args.method], preds[args.against])),
+            "predictions": len(preds[args.method]), "torch_threads": torch.get_num_threads()}

@@ -173,10 +173,26 @@ class BilevelCKA(Method):
             return a.lambda_replay * lm, {"lm": lm.item()}
         parts: dict[str, float] = {}
         if a.mask == "on" and (step + 1) % task.every == 0 and task.task_batch is not None:
+            if a.outer_sample == "shared":  # one replay forward: the outer sample's, for both losses
+                pi = straight_through_gumbel(task.logits, task.tau, task.generator)[..., 1]  # (L_c, K)
+                loss, inner, lm = self._inner_replay(batch, step, pi)
+                parts.update(outer_step(self.model, task, batch, a, pi, lm))
+                return loss, {**parts, **inner}
             parts.update(outer_step(self.model, task, batch, a))
+        loss, inner, _ = self._inner_replay(batch, step)
+        return loss, {**parts, **inner}
+
+    def _inner_replay(self, batch, step, pi=None):
+        """lambda_replay L_replay + lambda_CKA L_CKA on the replay micro-batch, with this
+        step's pi (or `pi`, outer_sample=shared); the loss, its parts and L_replay."""
+        a, task = self.args, self._task
+        parts: dict[str, float] = {}
         features = self._features
-        reference = features.reference(task, batch, a.experts_per_task, device_of(self.model))
-        self._masks(step)
+        reference = features.reference(task, batch)
+        if pi is None:
+            self._masks(step)
+        else:
+            task.set_masks(pi)
         with features.capture() as feats:
             lm = lm_loss(self.model, batch)
         current = {l: features.tokens(feats[l], batch) for l in self._cka_layers}
@@ -189,7 +205,35 @@ class BilevelCKA(Method):
         task.replay_batch = batch
         parts.update({"lm": lm.item(), "cka": sum(values) / len(values), "cka_loss": cka_loss.item(),
                       **{f"cka_{l}": c for l, c in zip(self._cka_layers, values)}})
-        return a.lambda_replay * lm + a.lambda_cka * cka_loss, parts
+        return a.lambda_replay * lm + a.lambda_cka * cka_loss, parts, lm
+
+    def before_step(self, step: int) -> None:
+        if self._task is not None and self._task.logits is not None:
+            self._task.logits.grad = None  # outer_sample=shared: the inner backward reached alpha too
+
+    def step_passes(self, micro_batches, replay, step):
+        """The passes a step of task t >= 1 needs beyond the task micro-batches (docs/methods/
+        bilevel-cka.md, "Passes per step"): the inner replay forward and backward (its CKA
+        reference as the step finds it: cached for rows the task has seen), the outer step
+        (a replay forward with backward to alpha, two no-grad forwards of the last task
+        micro-batch, Adam on alpha) and, once per replay row and task, the reference's forward."""
+        task = self._task
+        if task is None:
+            return {}
+        self.loss(micro_batches[-1], step)  # this step's pi, and the outer step's task micro-batch
+        rows = self._features.rows(replay)
+
+        def replay_pass():
+            loss, _, _ = self._inner_replay(replay, step)
+            loss.backward()
+
+        def reference_row():
+            self._features.reference(task, replay, refresh=rows[:1])
+
+        passes = {"replay forward and backward": replay_pass, "reference forward of one row": reference_row}
+        if task.logits is not None:
+            passes["outer step"] = lambda: outer_step(self.model, task, replay, self.args)
+        return passes
 
     # ---- task end -----------------------------------------------------------------------
     def after_task(self, stage: Stage) -> None:

@@ -21,6 +21,7 @@ from cl_bench.models.upcycling import MoEArgs
 
 MASK_MODES = ("on", "off")
 MASK_INITS = ("prior", "random")
+OUTER_SAMPLES = ("own", "shared")
 RANDOM_INIT_STD = 0.1  # mask_init=random: the paper code's MASK_OVERRIDE=random, N(0, 0.1)
 
 
@@ -33,6 +34,9 @@ class BilevelCKAArgs(MoEArgs):
     init_expand_prob: float = 0.6
     mask_lr: float = 0.01  # Adam on the mask logits; raised per task where Recycle is out of reach
     mask_every: int = 10  # N: an outer step every N optimiser steps
+    # own: the outer step draws its own pi and runs its own replay forward (the paper's);
+    # shared: on an outer step its pi also serves the inner replay loss (one forward fewer)
+    outer_sample: str = "own"
     min_mask_updates: int = 4  # N shrinks so a task has at least this many outer steps; 0: keep N
     tau0: float = 5.0
     tau_decay: float = 0.995  # rho; lowered per task when tau would not reach tau_final
@@ -53,6 +57,8 @@ class BilevelCKAArgs(MoEArgs):
             raise UserError(f"method_args.mask={self.mask!r}: choose one of {', '.join(MASK_MODES)}")
         if self.mask_init not in MASK_INITS:
             raise UserError(f"method_args.mask_init={self.mask_init!r}: choose one of {', '.join(MASK_INITS)}")
+        if self.outer_sample not in OUTER_SAMPLES:
+            raise UserError(f"method_args.outer_sample={self.outer_sample!r}: choose one of {', '.join(OUTER_SAMPLES)}")
         if not 0 < self.init_expand_prob < 1:
             raise UserError(f"method_args.init_expand_prob={self.init_expand_prob} must be in (0, 1)")
         if self.mask_every < 1 or self.min_mask_updates < 0 or self.cka_max_tokens < 2:

@@ -43,8 +43,7 @@ def finalise(model: nn.Module, task: _Task, expand: torch.Tensor, active: dict[i
     candidate layer gets its MoE layer back), update `active` (candidate layer ->
     expert index per slot) and return this stage's record (module docstring)."""
     device = device_of(model)
-    reference = features.reference(task, task.replay_batch, args.experts_per_task, device) \
-        if task.replay_batch is not None else None
+    reference = features.reference(task, task.replay_batch) if task.replay_batch is not None else None
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     check = list(task.task_batches)  # the deploy check: supernet at pi = decisions vs finalised
     if check:

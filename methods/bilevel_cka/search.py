@@ -15,8 +15,8 @@ Differs from the paper/code (why: docs/methods/bilevel-cka.md, "Schedule"):
 - N, rho and mask_lr are fitted to each task's step count, so tau reaches
   tau_final within the task and Recycle stays reachable (the code's tau ends
   near 3.4; the paper's ~78 updates keep mask_lr);
-- the CKA reference is the model before the task, recomputed per replay batch,
-  not cached task-0 activations.
+- the CKA reference is the model before the task on each step's replay batch (its
+  features cached per replay row for the task), not cached task-0 activations.
 """
 from __future__ import annotations
 
@@ -95,6 +95,8 @@ class _Task:
     task_batch: dict | None = None  # the last task micro-batch (outer step)
     task_batches: deque = field(default_factory=lambda: deque(maxlen=CHECK_BATCHES))  # deploy check
     replay_batch: dict | None = None  # the last replay micro-batch (final CKA)
+    # the CKA reference's features per row: (autocast dtype, token ids) -> {layer: (n, d)}
+    reference: dict[tuple, dict[int, torch.Tensor]] = field(default_factory=dict)
     cka: list[list[float]] = field(default_factory=list)  # per replay step, per deep layer
 
     def state_dict(self) -> dict[str, Any]:
@@ -134,11 +136,16 @@ class _Task:
         return self.pi
 
 
-def outer_step(model: nn.Module, task: _Task, replay: dict, args: BilevelCKAArgs) -> dict[str, float]:
-    """One Adam step on the mask logits (module docstring); the model's gradients stay untouched."""
-    pi = straight_through_gumbel(task.logits, task.tau, task.generator)[..., 1]  # (L_c, K)
-    task.set_masks(pi)
-    l_replay = lm_loss(model, replay)
+def outer_step(model: nn.Module, task: _Task, replay: dict, args: BilevelCKAArgs, pi: torch.Tensor | None = None,
+               l_replay: torch.Tensor | None = None) -> dict[str, float]:
+    """One Adam step on the mask logits (module docstring); the model's gradients stay
+    untouched. `pi`, `l_replay`: a sample and the replay loss already computed with it
+    (outer_sample=shared: their graph is kept for the inner backward); else drawn here."""
+    given = pi is not None
+    if not given:
+        pi = straight_through_gumbel(task.logits, task.tau, task.generator)[..., 1]  # (L_c, K)
+        task.set_masks(pi)
+        l_replay = lm_loss(model, replay)
     with torch.no_grad():
         task.set_masks(torch.ones_like(pi))
         l_expand = lm_loss(model, task.task_batch)
@@ -148,7 +155,7 @@ def outer_step(model: nn.Module, task: _Task, replay: dict, args: BilevelCKAArgs
     gain = (l_recycle - l_expand).detach() * rate
     bal = balance(rate, args.r_target)
     total = l_replay - args.gamma * gain + args.beta * bal
-    (grad,) = torch.autograd.grad(total, [task.logits])
+    (grad,) = torch.autograd.grad(total, [task.logits], retain_graph=given)
     task.logits.grad = grad
     task.optimizer.step()
     task.logits.grad = None
@@ -185,7 +192,10 @@ class LayerFeatures:
 
     def tokens(self, h: torch.Tensor, batch: dict) -> torch.Tensor:
         """(B, T, d) -> (n, d): the non-pad tokens, at most max_tokens evenly spaced."""
-        flat = h[batch["attention_mask"].bool()]
+        return self.spaced(h[batch["attention_mask"].bool()])
+
+    def spaced(self, flat: torch.Tensor) -> torch.Tensor:
+        """(n, d) -> (min(n, max_tokens), d): max_tokens rows evenly spaced when n is more."""
         n, m = flat.shape[0], self.max_tokens
         if n > m:
             flat = flat[torch.linspace(0, n - 1, m, device=flat.device).round().long()]
@@ -194,20 +204,54 @@ class LayerFeatures:
     def of(self, batch: dict) -> dict[int, torch.Tensor]:
         """The CKA-layer tokens of `batch` through the model as it is, no gradient."""
         with torch.no_grad(), self.capture() as feats:
-            self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+            self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                       logits_to_keep=1)  # the layers' outputs are wanted, not the vocabulary logits
         return {l: self.tokens(feats[l], batch) for l in self.layers}
 
-    def reference(self, task: _Task, batch: dict, K: int, device: torch.device) -> dict[int, torch.Tensor]:
-        """CKA-layer tokens of the model as it was before this task: every mask at 0
-        (old experts, old rows) and the snapshot of whatever else trains."""
-        task.set_masks(torch.zeros(len(task.nets), K, device=device))
-        kwargs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    def rows(self, batch: dict) -> list[tuple]:
+        """The reference cache's key of each row of `batch`: (autocast dtype, its token ids)."""
+        mask = batch["attention_mask"].bool()  # (B, T)
+        lengths = mask.sum(dim=1)  # (B,)
+        if not torch.equal(mask, torch.arange(mask.shape[1], device=mask.device) < lengths[:, None]):
+            raise ValueError("bilevel-cka's CKA reference needs right-padded rows (the harness's collator)")
+        kind = mask.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        return [(dtype, tuple(batch["input_ids"][i, :n].tolist())) for i, n in enumerate(lengths.tolist())]
+
+    def reference(self, task: _Task, batch: dict, refresh: list[tuple] = ()) -> dict[int, torch.Tensor]:
+        """CKA-layer tokens of `batch` (as `tokens` picks them) through the model as it
+        was before this task: every supernet without its clones (pi None) and the
+        snapshot of whatever else trains. That model is fixed for the task, so each
+        row's features come from its own forward, alone and unpadded, once per task:
+        cached in `task.reference` under (autocast dtype, the row's token ids), all
+        that decides them. A row's features so never depend on the rows beside it or
+        on the padding (a batched forward's rounding does); the rows' non-pad tokens,
+        in batch order, are then spaced as `tokens` spaces a batch's. `refresh`: keys
+        computed again even when cached (`cl-bench perf step` times one row's forward)."""
+        rows = self.rows(batch)
+        missing = list(dict.fromkeys([*refresh, *(key for key in rows if key not in task.reference)]))
+        if missing:
+            pi = [net.pi for net in task.nets.values()]
+            for net in task.nets.values():
+                net.pi = None
+            try:
+                for key in missing:
+                    task.reference[key] = self._alone(task, key[1], batch["input_ids"].device)
+            finally:
+                for net, p in zip(task.nets.values(), pi):
+                    net.pi = p
+        return {l: self.spaced(torch.cat([task.reference[key][l] for key in rows])) for l in self.layers}
+
+    def _alone(self, task: _Task, ids: tuple[int, ...], device: torch.device) -> dict[int, torch.Tensor]:
+        """{layer: (n, d)}: one row's CKA-layer outputs, its own forward (B = 1, no padding)."""
+        ids = torch.tensor([ids], device=device)  # (1, n)
+        kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, logits_to_keep=1)
         with torch.no_grad(), self.capture() as feats:
             if task.snapshot:
                 torch.func.functional_call(self.model, task.snapshot, (), kwargs)
             else:
                 self.model(**kwargs)
-        return {l: self.tokens(feats[l], batch) for l in self.layers}
+        return {l: feats[l][0] for l in self.layers}
 
 
 def mean_loss(model: nn.Module, batches: list[dict]) -> float:

@@ -54,7 +54,9 @@ class _Supernet(nn.Module):
     experts (clone c of expert active[c], standing in for its slot c), each with a
     router row of its own drawn N(0, router_std^2) from `generator` and bias 0.
     `pi` [K], set before each forward, gates the clones (module docstring): at
-    pi = 1 a clone is routed exactly as the expert Expand makes of it."""
+    pi = 1 a clone is routed exactly as the expert Expand makes of it. pi None: the
+    layer before the task, `moe` alone (the CKA reference: its rounding then does not
+    depend on the clones' rows, which a gate 0 leaves out only mathematically)."""
 
     def __init__(self, moe: UpcycledMoE, active: list[int], router_std: float, generator: torch.Generator):
         super().__init__()
@@ -70,6 +72,8 @@ class _Supernet(nn.Module):
         self.pi = like.new_ones(len(active))  # (K,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pi is None:
+            return self.moe(x)
         return self.moe(x, self.clones, self.pi)
 
 

@@ -3,6 +3,7 @@ the straight-through mask, the supernet, the clones' training, the CKA gradient,
 outer step, Expand / Recycle, and end-to-end runs."""
 from __future__ import annotations
 
+import copy
 import json
 import math
 from types import SimpleNamespace
@@ -12,9 +13,11 @@ import torch
 
 from cl_bench import registry, results
 from cl_bench.config import ReplayConfig, RunConfig
+from cl_bench.data import collate
 from cl_bench.errors import UserError
 from cl_bench.method import MethodContext, Stage, prune_optimizer
 from cl_bench.methods.bilevel_cka import BilevelCKAArgs, mask_schedule, reachable_mask_lr, straight_through_gumbel
+from cl_bench.methods.bilevel_cka.search import LayerFeatures
 from cl_bench.models import moe
 from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import params_command
@@ -184,8 +187,82 @@ def test_the_cka_reference_is_the_pre_task_model_when_more_than_the_clones_train
     train(method, 3, stage)
     method._task.set_masks(torch.zeros(2, K))
     assert not torch.allclose(method._features.of(b)[1], before, atol=1e-4)  # masks at 0 alone: moved
-    torch.testing.assert_close(method._features.reference(method._task, b, K, torch.device("cpu"))[1], before,
+    torch.testing.assert_close(method._features.reference(method._task, b)[1], before,
                                rtol=0, atol=1e-5)
+
+
+def rows_batch(rows):
+    """A micro-batch of token rows as the harness's collator makes it (right-padded to 8)."""
+    return collate([{"input_ids": r, "labels": r} for r in rows], pad_id=0)
+
+
+ROWS = [torch.randint(3, 259, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (12, 9, 5)]
+
+
+def forwards(model):
+    """A counter of forwards through the model's first decoder layer."""
+    calls = [0]
+    model.model.layers[0].register_forward_pre_hook(lambda module, args: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def test_the_cka_reference_is_each_rows_own_forward_through_the_pre_task_model_once_a_task():
+    """Cached per row for the task, keyed by the precision and the row's tokens: the
+    same as a fresh forward of the pre-task model on that row alone, whatever shares
+    its batch or pads it, under fp32 and bf16 alike; a cached row costs no forward."""
+    method, model = make(train_shared=True)  # attention etc. train too: the live model moves away
+    old = copy.deepcopy(model)
+    alone = LayerFeatures(old, method._cka_layers, 1024)
+
+    def fresh(row, dtype=None):  # the row alone, unpadded (padding alone moves the rounding)
+        ids = torch.tensor([row])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
+            return alone.of({"input_ids": ids, "attention_mask": torch.ones_like(ids)})[1]
+
+    stage = Stage(1, [], "task 1")
+    method.before_task(stage)
+    train(method, 3, stage)
+    task, features = method._task, method._features
+    calls, cached = forwards(model), len(task.reference)  # the training steps' replay rows
+    a = features.reference(task, rows_batch([ROWS[0], ROWS[1]]))[1]  # width 16
+    assert calls[0] == 2 and len(task.reference) == cached + 2  # one forward per row, alone
+    b = features.reference(task, rows_batch([ROWS[1], ROWS[2], ROWS[0]]))[1]  # other neighbours, order, width
+    assert calls[0] == 3  # only the new row ran
+    n0, n1 = len(ROWS[0]), len(ROWS[1])
+    for got, row in ((a[:n0], 0), (a[n0:], 1), (b[:n1], 1), (b[n1:n1 + len(ROWS[2])], 2), (b[-n0:], 0)):
+        assert torch.equal(got, fresh(ROWS[row])), row
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        c = features.reference(task, rows_batch([ROWS[0]]))[1]
+    assert calls[0] == 4 and torch.equal(c, fresh(ROWS[0], torch.bfloat16))  # its own key: not the fp32 features
+    assert not torch.equal(c, a[:n0])
+    features.reference(task, rows_batch([ROWS[2], ROWS[0]]))
+    assert calls[0] == 4
+    assert not torch.allclose(features.of(rows_batch([ROWS[0]]))[1], fresh(ROWS[0]), atol=1e-4)  # model moved
+
+
+def test_a_replay_step_runs_the_reference_only_for_rows_new_to_the_task_and_its_gradient_is_unchanged():
+    method, model = make(mask_every=1000)  # no outer step: one forward a step for the replay batch
+    method.before_task(Stage(1, [], "task 1"))
+    calls = forwards(model)
+    replay = rows_batch(ROWS)
+
+    def grads(step):
+        model.zero_grad()
+        method.loss(batch(0), step)
+        loss, parts = method.replay_loss(replay, step)
+        loss.backward()
+        return parts, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    grads(0)
+    assert calls[0] == 1 + 1 + 3  # task forward, the reference of each row, the replay forward
+    before = calls[0]
+    warm = grads(1)
+    assert calls[0] - before == 2  # task and replay forwards: the reference comes from the cache
+    method._task.reference.clear()
+    cold = grads(1)  # the same step (the same masks), every row's reference computed afresh
+    assert warm[0] == cold[0] and warm[1].keys() == cold[1].keys()
+    assert all(torch.equal(warm[1][n], cold[1][n]) for n in warm[1])
+    assert method._task.reference  # finalise's CKA reuses it under its own key
 
 
 def test_the_cka_term_carries_gradient_to_the_clones():
@@ -320,6 +397,31 @@ def test_mask_init_random_draws_the_logits_instead_of_the_prior():
     random = gaps["random"]
     assert 0.07 < float(random.std()) < 0.25 and abs(float(random.mean())) < 0.1, random
     assert len(set(random.flatten().tolist())) == 2 * K  # a draw per slot
+
+
+def test_outer_sample_shared_runs_one_replay_forward_for_the_outer_and_the_inner_loss():
+    """outer_sample=shared: on an outer step one replay forward (the outer sample's) serves
+    the outer loss and the inner one; the mask logits still take their Adam step, the
+    model's gradient is the inner loss's at that sample, and alpha's stray gradient goes."""
+    counts, steps = {}, {}
+    for mode in ("own", "shared"):
+        method, model = make(mask_every=1, outer_sample=mode)
+        method.before_task(Stage(1, [], "task 1"))
+        task = method._task
+        calls, start = forwards(model), task.logits.detach().clone()
+        method.loss(batch(0), 0)
+        loss, parts = method.replay_loss(batch(1), 0)
+        counts[mode] = calls[0]
+        loss.backward()
+        method.before_step(0)
+        assert task.updates == 1 and not torch.equal(task.logits, start) and task.logits.grad is None
+        assert {"mask_loss", "mask_replay", "cka", "lm"} <= set(parts)
+        grads = [p.grad for p in clone_params(method).values()]
+        assert all(g is not None and torch.isfinite(g).all() for g in grads) and any(g.any() for g in grads)
+        steps[mode] = parts
+    # own: task, outer replay, L_expand, L_recycle, 2 reference rows, inner replay; shared: no outer replay
+    assert counts["own"] == 7 and counts["shared"] == 6
+    assert steps["shared"]["mask_replay"] == pytest.approx(steps["shared"]["lm"])  # one forward, one loss
 
 
 def test_expand_adds_one_expert_and_an_aligned_row_per_decision_and_recycle_none():

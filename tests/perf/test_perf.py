@@ -37,3 +37,19 @@ def test_upcycle_gap_command_measures_the_loss_each_variant_adds(trace_dir, tmp_
     swap, paper = gap["change_pct"]["swap"], gap["change_pct"]["add s=1 (paper code)"]
     assert all(abs(v) < 1e-3 for v in swap.values()) and gap["within_2pct"]["swap"]
     assert all(abs(v) > 1e-3 for v in paper.values())
+
+
+def test_step_times_the_method_against_another_and_the_passes_it_needs(trace_dir, tmp_path):
+    """bilevel-cka's stage-1 steps against upcycle's, on the same batches as its passes:
+    an outer step where the schedule puts one (min_mask_updates=1 on 2 steps: N_eff 2)."""
+    out = tmp_path / "step.json"
+    assert run_cli("perf", "step", "--model", "tiny-llama", "--method", "bilevel-cka", "--method-arg",
+                   "min_mask_updates=1", "--task", "Py150,NumGLUE-cm", "--n", "12", "--repeats", "1",
+                   "--data-dir", str(trace_dir), "--output", str(out)) == 0
+    rec = json.loads(out.read_text())
+    assert rec["method"] == "bilevel-cka" and rec["against"] == "upcycle" and rec["outer_step"] == [False, True]
+    assert set(rec["median_pass_s"]) == {"task forward and backward", "replay forward and backward",
+                                         "reference forward of one row", "outer step",
+                                         "optimiser step and clipping"}
+    assert len(rec["step_over_needed"]) == len(rec["median_step_s"]["upcycle"]) == 2
+    assert all(r > 0 for r in rec["step_over_against"])
