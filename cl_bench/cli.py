@@ -138,10 +138,15 @@ def _support(cls) -> str:
 def cmd_leaderboard(args) -> int:
     from cl_bench import leaderboard
 
-    table = leaderboard.build_table(leaderboard.load_runs(args.runs, args.exclude, args.include))
-    print(leaderboard.format_table(table, args.format), end="")
+    runs = leaderboard.load_runs(args.runs, args.exclude, args.include)
+    if args.view == "sources":
+        from cl_bench.analysis import sources as view
+    else:
+        view = leaderboard
+    table = view.build_table(runs)
+    print(view.format_table(table, args.format), end="")
     if args.update_readme:
-        leaderboard.update_readme(args.update_readme, leaderboard.format_table(table, "md"),
+        leaderboard.update_readme(args.update_readme, view.format_table(table, "md"),
                                   f"<!-- {args.section}:begin -->", f"<!-- {args.section}:end -->")
     return 0
 

@@ -23,7 +23,9 @@ beside it. Each figure is drawn when the record holds its data:
   under 5% of the routing assignments hollow (runs with eval.sharpness > 0).
 
 With decision maps it also writes depth.json: whether the deep layers expand
-more than the shallow ones, with an interval (cl_bench/analysis/depth.py).
+more than the shallow ones, with an interval (cl_bench/analysis/depth.py); with
+routing and CKA probes, sources.json: whether the forgetting tracks routing drift
+or representation change (cl_bench/analysis/sources.py).
 
 Nothing is recomputed from a model: the figures show what the run recorded
 (the intervals and answer forms come from its predictions, cl_bench/intervals.py).
@@ -263,6 +265,7 @@ def analyze(run_dir: Path, against: Path | None = None, from_stage: int = 0,
     the cost comparison); returns their paths."""
     from cl_bench.analysis.cost import cost
     from cl_bench.analysis.depth import record_depth
+    from cl_bench.analysis.sources import record_sources
     from cl_bench.intervals import record_intervals
     from cl_bench.results import atomic_write_text
 
@@ -278,11 +281,11 @@ def analyze(run_dir: Path, against: Path | None = None, from_stage: int = 0,
         drawn = draw(record, run_dir / name)
         if drawn is not None:
             out.append(drawn)
-    depth = record_depth(record)
-    if depth is not None:
-        path = run_dir / "depth.json"
-        atomic_write_text(path, json.dumps(depth, indent=1) + "\n")
-        out.append(path)
+    for name, found in (("depth.json", record_depth(record)), ("sources.json", record_sources(record))):
+        if found is not None:
+            path = run_dir / name
+            atomic_write_text(path, json.dumps(found, indent=1) + "\n")
+            out.append(path)
     if against is not None:
         result = cost(run_dir, against, from_stage, calibrate_stage)
         path = run_dir / f"cost-vs-{result['other']}.json"

@@ -1,0 +1,189 @@
+"""Is an MoE method's forgetting routing drift or representation change? Read from
+a run's probes (cl_bench/analysis/routing.py, cl_bench/analysis/probes.py) and its
+matrix R. One point per earlier task j and later stage b (j learned at stage s_j < b):
+
+    F(j, b) = R[s_j][j] - R[b][j]                    forgetting, score points
+    D(j, b) = mean over routed layers of JS_l(j, b)   routing drift, bits
+    C(j, b) = mean over decoder layers of 1 - CKA_l(j, b)   representation change
+
+All three grow with the stages since a task was learned (its age, b - s_j), so
+their raw correlation would say only that time passes; and within one stage the
+older tasks have drifted and forgotten longer. The test therefore compares tasks
+of the same age: among the tasks probed one stage after they were learned (or
+two, ...), do those routed further from where they were (or whose representations
+moved further) forget more? Within each (run, age) the three are replaced by their
+ranks, centred (an age held by one task adds nothing), and
+
+    rho_D = corr(rank F, rank D),  rho_C = corr(rank F, rank C)   over all points.
+
+The unit of evidence is the task of a run (its points at several ages are not
+independent draws), so the 95% interval resamples (run, task) clusters
+(percentile bootstrap) and the p-value permutes D (or C) among the points of each
+(run, age) (a stratified permutation test). A source is clear when its interval
+lies above 0 and p < 0.05, as cl_bench/analysis/depth.py's verdict:
+
+    routing drift            rho_D clear, rho_C not
+    representation change    rho_C clear, rho_D not
+    both                     both clear (D and C move together; not told apart)
+    not distinguishable      neither clear
+
+With few tasks the test has little power: "not distinguishable" is then the
+expected answer, not evidence of no effect. The magnitudes beside the verdict
+(mean F, D, C over the last stage's points) say how much there is to explain. A run without both probes, or with no age held by two
+tasks, has no analysis (None).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from cl_bench.metrics.bootstrap import LEVEL, RESAMPLES, interval
+
+SEED = 0
+SOURCES = ("routing", "cka")  # D, C
+
+
+def points(record) -> list[dict[str, Any]]:
+    """One dict per (earlier task, later stage) with F, D and C: the tasks and
+    stages where the matrix and both probes have a value."""
+    probes = record.probes or {}
+    cka, routing = probes.get("cka") or {}, probes.get("routing") or {}
+    learned = {t: s.index for s in record.stages for t in s.tasks}
+    out = []
+    for b, row in enumerate(record.matrix):
+        for j, task in enumerate(record.tasks):
+            s = learned.get(task)
+            if s is None or s >= b or row[j] is None or record.matrix[s][j] is None:
+                continue
+            js = (routing.get(str(b)) or {}).get(task, {}).get("js")
+            layers = (cka.get(str(b)) or {}).get(task)
+            if not js or not layers:
+                continue
+            out.append({"task": task, "stage": b, "age": b - s, "F": float(record.matrix[s][j] - row[j]),
+                        "D": float(np.mean(js)), "C": float(np.mean([1.0 - v for v in layers]))})
+    return out
+
+
+def _centred_ranks(values: np.ndarray, strata: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(values))
+    for s in np.unique(strata):
+        at = np.flatnonzero(strata == s)
+        ranks = np.argsort(np.argsort(values[at], kind="stable"), kind="stable").astype(float)
+        for v in np.unique(values[at]):  # ties share their mean rank
+            tied = values[at] == v
+            ranks[tied] = ranks[tied].mean()
+        out[at] = ranks - ranks.mean()
+    return out
+
+
+def _corr(a: np.ndarray, b: np.ndarray) -> float | None:
+    den = np.sqrt((a * a).sum() * (b * b).sum())
+    return None if den == 0 else float((a * b).sum() / den)
+
+
+def sources(runs: Sequence[Sequence[dict[str, Any]]], resamples: int = RESAMPLES,
+            seed: int = SEED) -> dict[str, Any] | None:
+    """`runs`: each run's points(); pooled over runs (seeds of one method). Returns
+    rho_D and rho_C with their intervals and p-values, the verdict and the last
+    stage's magnitudes (module docstring); None when no age is held by two tasks."""
+    rows = [(r, p) for r, pts in enumerate(runs) for p in pts]
+    if not rows:
+        return None
+    stratum = np.array([f"{r}/{p['age']}" for r, p in rows])
+    cluster = np.array([f"{r}/{p['task']}" for r, p in rows])
+    f = _centred_ranks(np.array([p["F"] for _, p in rows]), stratum)
+    if not f.any():
+        return None
+    rng = np.random.default_rng(seed)
+    ids = np.unique(cluster)
+    members = [np.flatnonzero(cluster == c) for c in ids]
+    strata = [np.flatnonzero(stratum == s) for s in np.unique(stratum)]
+    out: dict[str, Any] = {}
+    for name, key in zip(SOURCES, ("D", "C")):
+        raw = np.array([p[key] for _, p in rows])
+        x = _centred_ranks(raw, stratum)
+        rho = _corr(f, x)
+        boot = []
+        for _ in range(resamples):  # clusters drawn with replacement; ranks as in the full data
+            at = np.concatenate([members[i] for i in rng.integers(0, len(ids), len(ids))])
+            value = _corr(f[at], x[at])
+            if value is not None:
+                boot.append(value)
+        perms = []
+        for _ in range(resamples):
+            shuffled = x.copy()
+            for at in strata:
+                shuffled[at] = x[rng.permutation(at)]
+            perms.append(_corr(f, shuffled) or 0.0)
+        p = None if rho is None else (int(np.sum(np.abs(perms) >= abs(rho) - 1e-12)) + 1) / (resamples + 1)
+        ci = interval(np.array(boot), LEVEL) if boot else None
+        clear = rho is not None and ci is not None and p < 1 - LEVEL and ci[0] > 0
+        out[name] = {"rho": rho, "ci": None if ci is None else list(ci), "p": p, "clear": bool(clear)}
+    routing_clear, cka_clear = out["routing"]["clear"], out["cka"]["clear"]
+    verdict = ("both" if routing_clear and cka_clear else "routing drift" if routing_clear else
+               "representation change" if cka_clear else "not distinguishable")
+    last = {r: max(p["stage"] for p in pts) for r, pts in enumerate(runs) if pts}
+    at_last = [p for r, p in rows if p["stage"] == last[r]]
+    return {**out, "verdict": verdict, "points": len(rows), "tasks": len(ids), "runs": len(runs),
+            "resamples": resamples,
+            "last": {k: float(np.mean([p[k] for p in at_last])) for k in ("F", "D", "C")}}
+
+
+def record_sources(record) -> dict[str, Any] | None:
+    """sources() of one run record, with its points (None: the run has no routing
+    and CKA probes to read)."""
+    pts = points(record)
+    out = sources([pts])
+    return None if out is None else {**out, "per_point": pts}
+
+
+COLUMNS = ["Method", "Profile", "Order", "Runs", "Points", "Forgetting", "Routing JS", "1 − CKA",
+           "ρ routing", "p routing", "ρ CKA", "p CKA", "Verdict"]
+
+
+def build_table(runs) -> "pd.DataFrame":
+    """One row per leaderboard row (cl_bench.leaderboard.build_rows' groups: seeds of
+    one method pooled) whose runs have both probes: sources() and the last stage's
+    magnitudes (Forgetting in score points, Routing JS in bits)."""
+    import pandas as pd
+
+    from cl_bench.leaderboard import _method_labels, build_rows
+
+    df, groups = build_rows(runs)
+    rows = []
+    for label, rec, group in zip(_method_labels(df), df.to_dict("records"), groups):
+        out = sources([points(r) for r in group])
+        if out is None:
+            continue
+        cells = {"Method": label, "Profile": rec["Profile"], "Order": rec["Order"], "Runs": len(group),
+                 "Points": out["points"], "Forgetting": out["last"]["F"], "Routing JS": out["last"]["D"],
+                 "1 − CKA": out["last"]["C"], "Verdict": out["verdict"]}
+        for name, col in (("routing", "routing"), ("cka", "CKA")):
+            cells[f"ρ {col}"], cells[f"p {col}"] = out[name]["rho"], out[name]["p"]
+            cells[f"ρ {col} lo"], cells[f"ρ {col} hi"] = out[name]["ci"] or (None, None)
+        rows.append(cells)
+    return pd.DataFrame(rows, columns=COLUMNS[:-1] + ["ρ routing lo", "ρ routing hi", "ρ CKA lo", "ρ CKA hi",
+                                                      "Verdict"])
+
+
+def format_table(df, fmt: str = "md") -> str:
+    """table()'s frame as 'md', 'latex' (ρ with its interval in one cell) or 'csv' (raw numbers)."""
+    from tabulate import tabulate
+
+    from cl_bench.leaderboard import MISSING
+
+    if fmt == "csv":
+        return df.to_csv(index=False, na_rep="")
+
+    def rho(r, col):
+        if r[f"ρ {col}"] is None or r[f"ρ {col}"] != r[f"ρ {col}"]:
+            return MISSING
+        return f"{r[f'ρ {col}']:+.2f} [{r[f'ρ {col} lo']:+.2f}, {r[f'ρ {col} hi']:+.2f}]"
+
+    rows = [[r["Method"], r["Profile"], r["Order"], str(r["Runs"]), str(r["Points"]), f"{r['Forgetting']:.1f}",
+             f"{r['Routing JS']:.2f}", f"{r['1 − CKA']:.4f}", rho(r, "routing"), f"{r['p routing']:.3f}",
+             rho(r, "CKA"), f"{r['p CKA']:.3f}", r["Verdict"]] for r in df.to_dict("records")]
+    align = ["left"] * 3 + ["right"] * 9 + ["left"]
+    return tabulate(rows, COLUMNS, tablefmt="pipe" if fmt == "md" else "latex_booktabs", colalign=align,
+                    disable_numparse=True) + "\n"
