@@ -99,6 +99,19 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_claims(args) -> int:
+    from cl_bench import claims, leaderboard
+
+    rows = claims.evaluate(args.file, args.root)
+    table = claims.format_table(rows)
+    print(table, end="")
+    if args.update_readme:
+        leaderboard.update_readme(args.update_readme, table, f"<!-- {args.section}:begin -->",
+                                  f"<!-- {args.section}:end -->")
+    _save(args, {"claims": rows})
+    return 0
+
+
 def cmd_list(args) -> int:
     from cl_bench import registry
 
@@ -279,7 +292,8 @@ def cmd_campaign(args) -> int:
     return campaign.main(args)
 
 
-COMMANDS = {"run": cmd_run, "campaign": cmd_campaign, "show": cmd_show, "compare": cmd_compare, "list": cmd_list, "leaderboard": cmd_leaderboard, "site": cmd_site,
+COMMANDS = {"run": cmd_run, "campaign": cmd_campaign, "show": cmd_show, "compare": cmd_compare, "claims": cmd_claims,
+            "list": cmd_list, "leaderboard": cmd_leaderboard, "site": cmd_site,
             "analyze": cmd_analyze, "score": cmd_score, "params": cmd_params, "perf": cmd_perf}
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-DESCRIPTION = "`cl-bench`: run | show | compare | list | leaderboard | site | analyze | score | params | perf."
+DESCRIPTION = "`cl-bench`: run | show | compare | claims | list | leaderboard | site | analyze | score | params | perf."
 
 
 def _kv(text: str) -> tuple[str, str]:
@@ -98,6 +98,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples (default 1000)")
     p.add_argument("--output", type=Path, help="also write the result as JSON here")
+    p = sub.add_parser("claims", help="a paper's claims tested on run records: holds, does not hold, or not "
+                                      "distinguishable at 95%%",
+                       description="Reads a claims file (YAML; format in cl_bench/claims.py, e.g. "
+                                   "scripts/claims/flagship.yaml) and gives each claim its measurement and "
+                                   "verdict; a claim whose runs are missing or unfinished is 'not run yet'.")
+    p.add_argument("file", type=Path, metavar="FILE")
+    p.add_argument("--root", type=Path, default=Path("."), help="where the file's run folders start (default .)")
+    p.add_argument("--update-readme", type=Path, metavar="README",
+                   help="also write the table between the section's markers of README")
+    p.add_argument("--section", default="claims", help="README markers (default claims)")
+    p.add_argument("--output", type=Path, help="also write the verdicts as JSON here")
     p = sub.add_parser("list", help="list methods with one-line descriptions")
     p.add_argument("--verbose", "-v", action="store_true", help="also show each method's arguments")
     p = sub.add_parser("leaderboard", help="tables from run records")

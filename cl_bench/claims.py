@@ -1,0 +1,223 @@
+"""`cl-bench claims FILE`: a paper's claims, each tested on committed runs with a
+verdict at 95%: holds, does not hold, or not distinguishable (or "not run yet"
+while its runs are missing or unfinished).
+
+A claims file (YAML) names the runs and the test; nothing in it is a number the
+verdict depends on, except `expect`, which is shown beside the measurement:
+
+    claims:
+      - id: a
+        says: less forgetting than Standard Upcycling at similar accuracy
+        test: less-forgetting
+        runs: [results/long/bilevel-cka-cpu-long-prefix3]   # the claim's method
+        against: [results/long/upcycle-cpu-long-prefix3]    # what it is compared with
+
+Tests (runs - against; several runs a side are seeds, pooled as the leaderboard
+pools them: replicates over seeds and items, paired over the same test items):
+
+- less-forgetting: BWT higher at 95% and Last Acc not lower at 95% -> holds;
+  BWT lower at 95%, or Last Acc lower at 95% -> does not hold; else not
+  distinguishable.
+- fewer-added: the parameters each run adds to the base model (deployed minus
+  base, the last stage's). Counts have no item noise, only seeds: holds when
+  every run adds fewer than every run against, does not hold when none does,
+  not distinguishable when seeds disagree. `expect` (a share, e.g. 0.6) is
+  printed beside the measured reduction 1 - mean(runs) / mean(against).
+- ablation: `runs` the ablation, `against` the full method. holds (the removed
+  part helps) when the ablation is worse at 95% in Last Acc or BWT and better in
+  neither; does not hold when it is better in one and worse in neither; else
+  not distinguishable (including worse in one and better in the other).
+- deep-expand: cl_bench/analysis/depth.py over the runs' decision maps (tasks
+  of every run pooled): holds for "deep layers expand more", does not hold for
+  "shallow layers expand more".
+
+Runs compared must share tasks, order and budget (cl_bench/compare.py's
+differences); a pair that does not is refused with the reason.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from cl_bench import results
+from cl_bench.errors import UserError
+from cl_bench.metrics import bootstrap
+
+TESTS = ("less-forgetting", "fewer-added", "ablation", "deep-expand")
+HOLDS, FAILS, UNCLEAR, MISSING = "holds", "does not hold", "not distinguishable", "not run yet"
+FIELDS = {"id", "says", "test", "runs", "against", "expect"}
+
+
+def load(path: Path) -> list[dict[str, Any]]:
+    """The claims of a file, checked: one UserError naming the file, the claim and the field."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"{path}: cannot read the claims file ({e.strerror}); pass a YAML file") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"{path}: not valid YAML ({str(e).splitlines()[0]}); fix the file") from None
+    claims = raw.get("claims") if isinstance(raw, dict) else None
+    if not isinstance(claims, list) or not claims:
+        raise UserError(f"{path}: no 'claims:' list; start the file with 'claims:' and one '- id: ...' per claim")
+    for i, claim in enumerate(claims):
+        where = f"{path}: claims[{i}]"
+        if not isinstance(claim, dict):
+            raise UserError(f"{where} must be a mapping with id, says, test, runs")
+        unknown = set(claim) - FIELDS
+        if unknown:
+            raise UserError(f"{where}: unknown field {sorted(unknown)[0]!r}; the fields are {', '.join(sorted(FIELDS))}")
+        for key in ("id", "says", "test", "runs"):
+            if key not in claim:
+                raise UserError(f"{where}: missing field {key!r}")
+        if claim["test"] not in TESTS:
+            raise UserError(f"{where}.test: {claim['test']!r} is not a test; use one of {', '.join(TESTS)}")
+        needs_against = claim["test"] != "deep-expand"
+        for key in ("runs", "against") if needs_against else ("runs",):
+            value = claim.get(key)
+            if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+                raise UserError(f"{where}.{key}: give a list of run folders, e.g. [results/my-run]")
+    return claims
+
+
+def _records(folders: list[str], root: Path) -> tuple[list, list[str]]:
+    """The complete records of `folders`, and the names of those that are not (yet)."""
+    found, missing = [], []
+    for folder in folders:
+        path = root / folder
+        if not (path / results.RUN_FILE).is_file():
+            missing.append(path.name)
+            continue
+        record = results.read_record(path)
+        if record.status == "complete":
+            found.append(record)
+        else:
+            missing.append(f"{path.name} ({record.status}, {record.stages_done} of {len(record.stages)} stages)")
+    return found, missing
+
+
+def _replicates(records: list) -> dict:
+    from cl_bench.leaderboard import _Entry, _group_replicates, _items
+
+    reps = _group_replicates([_Entry(r, _items(r)) for r in records])
+    if reps is None:
+        raise UserError(f"{records[0].source}: no predictions beside the record; a claim's interval needs them")
+    return reps
+
+
+def _difference(a: dict, b: dict, key: str) -> dict[str, Any]:
+    ci = bootstrap.interval(a[key] - b[key])
+    return {"diff": float(np.mean(a[key]) - np.mean(b[key])), "ci": None if ci is None else list(ci)}
+
+
+def _sign(d: dict) -> int:
+    """+1 / -1 when the interval lies above / below 0, 0 when it holds 0."""
+    lo, hi = d["ci"]
+    return 1 if lo > 0 else -1 if hi < 0 else 0
+
+
+def _fmt(name: str, d: dict) -> str:
+    return f"{name} {d['diff']:+.1f} [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}]"
+
+
+def _comparable(runs: list, against: list) -> None:
+    from cl_bench.compare import differences
+
+    for r in runs + against[1:]:  # item by item where the seeds match; else tasks, precision and budget
+        problems = differences(against[0], r, items=r.seed == against[0].seed)
+        if problems:
+            raise UserError(f"{r.source}: not comparable with {against[0].source}: {'; '.join(problems)}")
+
+
+def _less_forgetting(runs, against, claim) -> tuple[str, str, dict]:
+    a, b = _replicates(runs), _replicates(against)
+    bwt, last = _difference(a, b, "bwt"), _difference(a, b, "last_acc")
+    if _sign(bwt) > 0 and _sign(last) >= 0:
+        verdict = HOLDS
+    elif _sign(bwt) < 0 or _sign(last) < 0:
+        verdict = FAILS
+    else:
+        verdict = UNCLEAR
+    return verdict, f"{_fmt('BWT', bwt)}; {_fmt('Last', last)}", {"bwt": bwt, "last_acc": last}
+
+
+def _added(record) -> int:
+    base = (record.model or {}).get("n_params")
+    last = record.params[-1] if record.params else None
+    if base is None or last is None or last.deployed is None:
+        raise UserError(f"{record.source}: no parameter report of the last stage or no base model size")
+    return int(last.deployed - base)
+
+
+def _fewer_added(runs, against, claim) -> tuple[str, str, dict]:
+    mine, theirs = [_added(r) for r in runs], [_added(r) for r in against]
+    reduction = 1 - np.mean(mine) / np.mean(theirs) if np.mean(theirs) else float("nan")
+    verdict = HOLDS if max(mine) < min(theirs) else FAILS if min(mine) >= max(theirs) else UNCLEAR
+    from cl_bench.leaderboard import humanise
+
+    text = (f"adds {humanise(np.mean(mine))} against {humanise(np.mean(theirs))}: "
+            f"{100 * reduction:.0f}% fewer")
+    if len(mine) > 1:
+        text += f" (runs {', '.join(humanise(m) for m in mine)})"
+    if claim.get("expect") is not None:
+        text += f"; claimed {100 * float(claim['expect']):.0f}%"
+    return verdict, text, {"added": mine, "against": theirs, "reduction": float(reduction)}
+
+
+def _ablation(runs, against, claim) -> tuple[str, str, dict]:
+    a, b = _replicates(runs), _replicates(against)
+    diffs = {k: _difference(a, b, k) for k in ("last_acc", "bwt")}
+    signs = [_sign(d) for d in diffs.values()]
+    verdict = (HOLDS if min(signs) < 0 and max(signs) <= 0 else FAILS if max(signs) > 0 and min(signs) >= 0
+               else UNCLEAR)
+    return verdict, f"{_fmt('Last', diffs['last_acc'])}; {_fmt('BWT', diffs['bwt'])}", diffs
+
+
+def _deep_expand(runs, against, claim) -> tuple[str, str, dict]:
+    from cl_bench.analysis.depth import depth_profile
+
+    rows = [p for r in runs for p in r.params if p.diagnostics.get("decisions")]
+    if not rows:
+        raise UserError(f"{runs[0].source}: no decision maps in the record; deep-expand needs a method that decides")
+    layers = rows[0].diagnostics.get("decision_layers") or list(range(len(rows[0].diagnostics["decisions"])))
+    out = depth_profile([p.diagnostics["decisions"] for p in rows], layers)
+    verdict = {"deep layers expand more": HOLDS, "shallow layers expand more": FAILS}.get(out["verdict"], UNCLEAR)
+    text = (f"deep {100 * out['deep_rate']:.0f}% vs shallow {100 * out['shallow_rate']:.0f}% expand: "
+            f"{100 * out['diff']:+.0f} [{100 * out['ci'][0]:+.0f}, {100 * out['ci'][1]:+.0f}] points, p {out['p']:.3f}")
+    return verdict, text, out
+
+
+RUNNERS = {"less-forgetting": _less_forgetting, "fewer-added": _fewer_added, "ablation": _ablation,
+           "deep-expand": _deep_expand}
+
+
+def evaluate(path: Path, root: Path = Path(".")) -> list[dict[str, Any]]:
+    """Each claim of the file with its verdict, measurement text and numbers."""
+    out = []
+    for claim in load(path):
+        runs, missing = _records(claim["runs"], root)
+        against, missing_against = _records(claim.get("against") or [], root)
+        row = {"id": str(claim["id"]), "says": claim["says"], "test": claim["test"], "runs": claim["runs"],
+               "against": claim.get("against") or []}
+        if missing or missing_against:
+            out.append({**row, "verdict": MISSING, "measured": f"waiting for {', '.join(missing + missing_against)}"})
+            continue
+        if against:
+            _comparable(runs, against)
+        verdict, text, numbers = RUNNERS[claim["test"]](runs, against, claim)
+        out.append({**row, "verdict": verdict, "measured": text, "numbers": numbers})
+    return out
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    from tabulate import tabulate
+
+    def names(folders):
+        return ", ".join(Path(f).name for f in folders)
+
+    body = [[r["id"], r["says"], names(r["runs"]), names(r["against"]) or "–", r["measured"], r["verdict"]]
+            for r in rows]
+    return tabulate(body, ["Claim", "Says", "Runs", "Against", "Measured (95%)", "Verdict"], tablefmt="pipe",
+                    disable_numparse=True) + "\n"
