@@ -98,7 +98,7 @@ def survey(plan: Path, entries: list[Entry], root: Path, args, native: bool):
             elsewhere.append(entry.folder(root))
     slots = args.slots
     print(f"total left: {n_left} runs, {left_h:.1f} h at one thread a run ({left_h / slots:.1f} h on {slots} "
-          f"slots){f'; {unknown} without an estimate' if unknown else ''}", flush=True)
+          f"slot{'s' if slots != 1 else ''}){f'; {unknown} without an estimate' if unknown else ''}", flush=True)
     return todo, refused, elsewhere
 
 
