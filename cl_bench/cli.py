@@ -151,15 +151,15 @@ def _support(cls) -> str:
 def cmd_leaderboard(args) -> int:
     from cl_bench import leaderboard
 
-    runs = leaderboard.load_runs(args.runs, args.exclude, args.include)
-    if args.view == "sources":
-        from cl_bench.analysis import sources as view
-    else:
-        view = leaderboard
-    table = view.build_table(runs)
-    print(view.format_table(table, args.format), end="")
+    from cl_bench.analysis import sources
+
+    build, render = {"scores": (leaderboard.build_table, leaderboard.format_table),
+                     "forms": (leaderboard.build_forms_table, leaderboard.format_forms_table),
+                     "sources": (sources.build_table, sources.format_table)}[args.view]
+    table = build(leaderboard.load_runs(args.runs, args.exclude, args.include))
+    print(render(table, args.format), end="")
     if args.update_readme:
-        leaderboard.update_readme(args.update_readme, view.format_table(table, "md"),
+        leaderboard.update_readme(args.update_readme, render(table, "md"),
                                   f"<!-- {args.section}:begin -->", f"<!-- {args.section}:end -->")
     return 0
 

@@ -342,3 +342,48 @@ def update_readme(
         )
     new = text[: start + len(begin)] + "\n\n" + table_md.strip("\n") + "\n\n" + text[stop:]
     atomic_write_text(readme_path, new)
+
+
+FORM_PARTS = (("bwt", "BWT"), ("bwt_format", "BWT format"), ("bwt_content", "BWT content"))
+FORM_MARKS = ("Format ≠ 0", "Content ≠ 0")
+
+
+def build_forms_table(runs: list[RunRecord]) -> pd.DataFrame:
+    """Per leaderboard row (the same groups, in the same order) with predictions and
+    a BWT: BWT and its split into answer form and content (metrics.cl.bwt_split: the
+    part of each old task's drop explained by answers leaving the task's form, and
+    the rest), mean and std over seeds, the 95% interval over items (and seeds), and
+    whether each part can be told apart from 0 at 95%."""
+    df, groups = build_rows(runs)
+    rows = []
+    for label, rec, group in zip(_method_labels(df), df.to_dict("records"), groups):
+        entries = [_Entry(r, _items(r)) for r in group]
+        reps = _group_replicates(entries)
+        if reps is None:
+            continue
+        points = [point_summaries(e.items) for e in entries]
+        if any(p["bwt"] is None for p in points):
+            continue
+        row = {"Method": label, "Profile": rec["Profile"], "Precision": rec["Precision"], "Runs": len(group)}
+        for key, col in FORM_PARTS:
+            values = pd.Series([p[key] for p in points], dtype=float)
+            ci = bootstrap.interval(reps[key])
+            row.update({f"{col} mean": values.mean(), f"{col} std": values.std(),
+                        f"{col} lo": None if ci is None else ci[0], f"{col} hi": None if ci is None else ci[1]})
+        for mark, (_, col) in zip(FORM_MARKS, FORM_PARTS[1:]):
+            lo, hi = row[f"{col} lo"], row[f"{col} hi"]
+            row[mark] = None if lo is None else ("no" if lo <= 0 <= hi else "yes")
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def format_forms_table(df: pd.DataFrame, fmt: str = "md") -> str:
+    """build_forms_table's frame: 'md', 'latex' or 'csv' (raw numbers)."""
+    if fmt == "csv":
+        return df.to_csv(index=False, na_rep="")
+    headers = ["Method", "Profile", "Precision", "Runs"] + [col for _, col in FORM_PARTS] + list(FORM_MARKS)
+    rows = [[r["Method"], str(r["Profile"]), str(r["Precision"]), str(r["Runs"])]
+            + [_score_cell(*(r[f"{col} {x}"] for x in ("mean", "std", "lo", "hi"))) for _, col in FORM_PARTS]
+            + [MISSING if r[m] is None else r[m] for m in FORM_MARKS] for r in df.to_dict("records")]
+    return tabulate(rows, headers, tablefmt="pipe" if fmt == "md" else "latex_booktabs",
+                    colalign=["left"] * 3 + ["right"] * (len(headers) - 3), disable_numparse=True) + "\n"

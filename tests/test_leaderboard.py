@@ -337,3 +337,32 @@ def test_added_parameters_and_expansion_are_means_over_seeds_with_their_std(tmp_
     cells = [c.strip() for c in next(l for l in lines if "bilevel-cka" in l).strip("|").split("|")]
     assert cells[-3:-1] == ["2.0K ± 1.0K", "40% ± 20"]
     assert "Added std" in format_table(df, "csv").splitlines()[0]
+
+
+def test_forms_view_splits_each_rows_bwt_into_answer_form_and_content(tmp_path):
+    """KEEPS loses half of task 0's answers, each one malformed: BWT -50, all of it
+    form (content 0 in every resample: not told from 0). FORGETS loses every
+    answer, malformed: the product rule gives half to form (-50), half to content.
+    Two seeds of KEEPS pool into one row. Mutations caught: the parts swapped, the
+    marks read from the wrong part, the seeds not pooled."""
+    from cl_bench.leaderboard import build_forms_table, format_forms_table
+    from test_intervals import make_record, write_run
+
+    forgets = {(0, 0): [100] * 8, (0, 1): [100] * 4 + [0] * 4, (1, 0): [0] * 8, (1, 1): [100] * 8}
+    keeps = {**forgets, (1, 0): [100] * 4 + [0] * 4}
+    for name, method, scores, seed in (("k1", "lora", keeps, 1), ("k2", "lora", keeps, 2),
+                                       ("f", "seqft", forgets, 1)):
+        record, preds = make_record(scores, n_test=8, seed=seed)
+        record.update(status="complete", run_id=name, method=method, stages_done=2, profile="cpu",
+                      model={"id": "tiny-llama", "n_params": 10},
+                      summary={"last_acc": 0.0, "stage_acc": 0.0, "bwt": 0.0}, params=[], timing={"total_s": 1})
+        write_run(tmp_path / name, record, preds)
+    df = build_forms_table(load_runs(tmp_path))
+    lora, seqft = (df[df["Method"] == m].iloc[0] for m in ("lora", "seqft"))
+    assert lora["Runs"] == 2 and lora["BWT mean"] == pytest.approx(-50.0)
+    assert (lora["BWT format mean"], lora["BWT content mean"]) == (pytest.approx(-50.0), pytest.approx(0.0))
+    assert (lora["Format ≠ 0"], lora["Content ≠ 0"]) == ("yes", "no")
+    assert (seqft["BWT format mean"], seqft["BWT content mean"]) == (pytest.approx(-50.0), pytest.approx(-50.0))
+    assert (seqft["Format ≠ 0"], seqft["Content ≠ 0"]) == ("yes", "yes")
+    text = format_forms_table(df)
+    assert "| lora" in text and "-50.0 ± 0.0 [" in text
