@@ -155,6 +155,7 @@ def cmd_leaderboard(args) -> int:
 
     build, render = {"scores": (leaderboard.build_table, leaderboard.format_table),
                      "forms": (leaderboard.build_forms_table, leaderboard.format_forms_table),
+                     "winners": (leaderboard.build_winners_table, leaderboard.format_winners_table),
                      "sources": (sources.build_table, sources.format_table)}[args.view]
     table = build(leaderboard.load_runs(args.runs, args.exclude, args.include))
     print(render(table, args.format), end="")
