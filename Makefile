@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.cl-bench-installed
 export CL_BENCH_DATA ?= $(abspath ../shared/trace/LLM-CL-Benchmark_500)
 
-.PHONY: install main test test-fast site
+.PHONY: install main test test-fast site readme
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,3 +34,14 @@ test-fast: install
 # copies every prediction, so it is left out here; `cl-bench site --runs results --out DIR` has it.
 site: install
 	$(VENV)/bin/cl-bench site --runs results --out site --no-browser
+
+# Every table of the README's results, from the committed run records (each command is also
+# written beside its table). The flagship's table needs one finished run under results/long.
+CPU_RUNS := --runs results --exclude 'cpu-v1/*' --exclude 'calibration/*' --exclude 'sweeps/*'
+readme: install
+	$(VENV)/bin/cl-bench leaderboard $(CPU_RUNS) --exclude 'long/*' --update-readme README.md > /dev/null
+	$(VENV)/bin/cl-bench leaderboard $(CPU_RUNS) --exclude 'long/*' --view winners --update-readme README.md --section winners > /dev/null
+	$(VENV)/bin/cl-bench leaderboard $(CPU_RUNS) --exclude 'long/*' --view forms --update-readme README.md --section forms > /dev/null
+	$(VENV)/bin/cl-bench leaderboard $(CPU_RUNS) --view sources --update-readme README.md --section sources > /dev/null
+	$(VENV)/bin/cl-bench claims scripts/claims/flagship.yaml --update-readme README.md > /dev/null
+	$(VENV)/bin/cl-bench leaderboard --runs results/long --update-readme README.md --section flagship > /dev/null
