@@ -146,6 +146,7 @@ def test_tau_reaches_its_floor_within_a_task(steps, every, updates):
     assert mask_schedule(None, a) == (10, None, 0.995)
 
 
+@pytest.mark.slow  # over ~1 s (pyproject.toml's marker)
 def test_the_supernet_is_the_pre_task_model_with_masks_at_zero_while_clones_train():
     method, model = make(mask_every=1000)
     b = batch(7)
@@ -477,6 +478,7 @@ def test_expand_adds_one_expert_and_an_aligned_row_per_decision_and_recycle_none
     torch.testing.assert_close(method._task.nets[0].clones.gate[1], layer0.groups[-1].gate[0], rtol=0, atol=0)
 
 
+@pytest.mark.slow  # over ~1 s (pyproject.toml's marker)
 def test_the_finalised_model_is_the_searched_supernet_without_pairs_of_copies():
     """Issue #9. The deployed model must be the supernet at pi = the decisions, and
     top-k must not pick the old and the new copy of one slot (a clone whose row is a
