@@ -20,16 +20,21 @@ pools them: replicates over seeds and items, paired over the same test items):
   distinguishable.
 - fewer-added: the parameters each run adds to the base model (deployed minus
   base, the last stage's). Counts have no item noise, only seeds: holds when
-  every run adds fewer than every run against, does not hold when none does,
-  not distinguishable when seeds disagree. `expect` (a share, e.g. 0.6) is
+  every run adds fewer than every run against, does not hold when every run adds
+  at least as many as every run against, not distinguishable otherwise (the
+  seeds overlap). `expect` (a share, e.g. 0.6) is
   printed beside the measured reduction 1 - mean(runs) / mean(against).
 - ablation: `runs` the ablation, `against` the full method. holds (the removed
   part helps) when the ablation is worse at 95% in Last Acc or BWT and better in
   neither; does not hold when it is better in one and worse in neither; else
   not distinguishable (including worse in one and better in the other).
 - deep-expand: cl_bench/analysis/depth.py over the runs' decision maps (tasks
-  of every run pooled): holds for "deep layers expand more", does not hold for
-  "shallow layers expand more".
+  of every run pooled; the runs must decide over the same layers): holds for
+  "deep layers expand more", does not hold for "shallow layers expand more".
+  It takes no `against`.
+
+The differences shown are the runs' own (mean over seeds of each run's summary on
+its items), their intervals from the replicates.
 
 Runs compared must share tasks, order and budget (cl_bench/compare.py's
 differences); a pair that does not is refused with the reason.
@@ -57,6 +62,8 @@ def load(path: Path) -> list[dict[str, Any]]:
         raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
         raise UserError(f"{path}: cannot read the claims file ({e.strerror}); pass a YAML file") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not a text file; pass the claims file (YAML, UTF-8)") from None
     except yaml.YAMLError as e:
         raise UserError(f"{path}: not valid YAML ({str(e).splitlines()[0]}); fix the file") from None
     claims = raw.get("claims") if isinstance(raw, dict) else None
@@ -75,10 +82,18 @@ def load(path: Path) -> list[dict[str, Any]]:
         if claim["test"] not in TESTS:
             raise UserError(f"{where}.test: {claim['test']!r} is not a test; use one of {', '.join(TESTS)}")
         needs_against = claim["test"] != "deep-expand"
+        if not needs_against and "against" in claim:
+            raise UserError(f"{where}.against: deep-expand tests the runs alone; remove 'against'")
         for key in ("runs", "against") if needs_against else ("runs",):
             value = claim.get(key)
             if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
                 raise UserError(f"{where}.{key}: give a list of run folders, e.g. [results/my-run]")
+        if "expect" in claim:
+            expect = claim["expect"]
+            if claim["test"] != "fewer-added":
+                raise UserError(f"{where}.expect: only fewer-added takes an expected share; remove it")
+            if isinstance(expect, bool) or not isinstance(expect, (int, float)) or not 0 < expect <= 1:
+                raise UserError(f"{where}.expect: {expect!r} is not a share; write e.g. 0.6 for 60% fewer")
     return claims
 
 
@@ -98,18 +113,29 @@ def _records(folders: list[str], root: Path) -> tuple[list, list[str]]:
     return found, missing
 
 
-def _replicates(records: list) -> dict:
+def _scores(records: list) -> tuple[dict, dict]:
+    """The runs' replicates (pooled over seeds, as the leaderboard's) and their point
+    summaries (mean over the runs)."""
+    from cl_bench.intervals import point_summaries
     from cl_bench.leaderboard import _Entry, _group_replicates, _items
 
-    reps = _group_replicates([_Entry(r, _items(r)) for r in records])
-    if reps is None:
-        raise UserError(f"{records[0].source}: no predictions beside the record; a claim's interval needs them")
-    return reps
+    entries = [_Entry(r, _items(r)) for r in records]
+    for e in entries:
+        if e.items is None:
+            raise UserError(f"{e.record.source}: no predictions beside the record; a claim's interval needs them")
+    points = [point_summaries(e.items) for e in entries]
+    mean = {k: None if any(p[k] is None for p in points) else float(np.mean([p[k] for p in points]))
+            for k in points[0]}
+    return _group_replicates(entries), mean
 
 
-def _difference(a: dict, b: dict, key: str) -> dict[str, Any]:
-    ci = bootstrap.interval(a[key] - b[key])
-    return {"diff": float(np.mean(a[key]) - np.mean(b[key])), "ci": None if ci is None else list(ci)}
+def _difference(a: tuple[dict, dict], b: tuple[dict, dict], key: str, runs: list) -> dict[str, Any]:
+    (reps_a, point_a), (reps_b, point_b) = a, b
+    ci = bootstrap.interval(reps_a[key] - reps_b[key])
+    if ci is None or point_a[key] is None or point_b[key] is None:
+        raise UserError(f"{runs[0].source}: no {key} to compare (it needs at least two tasks scored after "
+                        f"the first); take the run out of the claim")
+    return {"diff": point_a[key] - point_b[key], "ci": list(ci)}
 
 
 def _sign(d: dict) -> int:
@@ -132,8 +158,8 @@ def _comparable(runs: list, against: list) -> None:
 
 
 def _less_forgetting(runs, against, claim) -> tuple[str, str, dict]:
-    a, b = _replicates(runs), _replicates(against)
-    bwt, last = _difference(a, b, "bwt"), _difference(a, b, "last_acc")
+    a, b = _scores(runs), _scores(against)
+    bwt, last = _difference(a, b, "bwt", runs), _difference(a, b, "last_acc", runs)
     if _sign(bwt) > 0 and _sign(last) >= 0:
         verdict = HOLDS
     elif _sign(bwt) < 0 or _sign(last) < 0:
@@ -167,8 +193,8 @@ def _fewer_added(runs, against, claim) -> tuple[str, str, dict]:
 
 
 def _ablation(runs, against, claim) -> tuple[str, str, dict]:
-    a, b = _replicates(runs), _replicates(against)
-    diffs = {k: _difference(a, b, k) for k in ("last_acc", "bwt")}
+    a, b = _scores(runs), _scores(against)
+    diffs = {k: _difference(a, b, k, runs) for k in ("last_acc", "bwt")}
     signs = [_sign(d) for d in diffs.values()]
     verdict = (HOLDS if min(signs) < 0 and max(signs) <= 0 else FAILS if max(signs) > 0 and min(signs) >= 0
                else UNCLEAR)
@@ -176,13 +202,22 @@ def _ablation(runs, against, claim) -> tuple[str, str, dict]:
 
 
 def _deep_expand(runs, against, claim) -> tuple[str, str, dict]:
-    from cl_bench.analysis.depth import depth_profile
+    from cl_bench.analysis.depth import decision_maps, depth_profile
 
-    rows = [p for r in runs for p in r.params if p.diagnostics.get("decisions")]
-    if not rows:
-        raise UserError(f"{runs[0].source}: no decision maps in the record; deep-expand needs a method that decides")
-    layers = rows[0].diagnostics.get("decision_layers") or list(range(len(rows[0].diagnostics["decisions"])))
-    out = depth_profile([p.diagnostics["decisions"] for p in rows], layers)
+    maps, layers = [], None
+    for r in runs:
+        found = decision_maps(r.params)
+        if found is None:
+            raise UserError(f"{r.source}: no decision maps in params[].diagnostics.decisions; deep-expand needs "
+                            f"a method that decides per layer")
+        if layers is not None and found[1] != layers:
+            raise UserError(f"{r.source}: decides over other layers than {runs[0].source}; pool runs of one "
+                            f"model and method")
+        maps, layers = maps + found[0], found[1]
+    if len(layers) < 2:
+        raise UserError(f"{runs[0].source}: decides in {len(layers)} layer; deep-expand needs a shallow and a "
+                        f"deep third")
+    out = depth_profile(maps, layers)
     verdict = {"deep layers expand more": HOLDS, "shallow layers expand more": FAILS}.get(out["verdict"], UNCLEAR)
     text = (f"deep {100 * out['deep_rate']:.0f}% vs shallow {100 * out['shallow_rate']:.0f}% expand: "
             f"{100 * out['diff']:+.0f} [{100 * out['ci'][0]:+.0f}, {100 * out['ci'][1]:+.0f}] points, p {out['p']:.3f}")

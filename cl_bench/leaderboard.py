@@ -393,36 +393,43 @@ WINNER_SCORES = (("last_acc", "Last Acc"), ("bwt", "BWT"), ("learn_gain", "Gain"
 
 
 def build_winners_table(runs: list[RunRecord]) -> pd.DataFrame:
-    """Which ranked row wins on what: per score (higher is better) the best row by
-    mean and every row that cannot be told apart from it at 95% (the leaderboard's
-    "≠ best" test: the interval of the difference over items and seeds holds 0;
-    rows over other tasks or budgets are not compared); per cost (Added parameters,
-    wall time; lower is better, no interval) the lowest row. Reference rows are not
-    ranked."""
+    """Which ranked row wins on what, among the rows of one (profile, task order,
+    precision): per score (higher is better) the best row by mean and every row
+    that cannot be told apart from it at 95% (the leaderboard's "≠ best" test: the
+    interval of the difference over items and seeds holds 0), rows that cannot be
+    compared with it (no predictions, another budget) named as such; per cost
+    (Added parameters, wall time; lower is better, no interval) the lowest row.
+    Reference rows are not ranked."""
     df, groups = build_rows(runs)
     labels = _method_labels(df)
     ranked = [i for i in range(len(df)) if not df.loc[i, "Reference"]]
     entries = [[_Entry(r, _items(r)) for r in g] for g in groups]
     reps = {i: _group_replicates(entries[i]) for i in ranked}
+    sets: dict[tuple, list[int]] = {}
+    for i in ranked:
+        sets.setdefault(tuple(df.loc[i, k] for k in ("Profile", "Order", "Precision")), []).append(i)
     rows = []
-    for key, name in WINNER_SCORES:
-        scored = [i for i in ranked if pd.notna(df.loc[i, f"{name} mean"])]
-        if not scored:
-            continue
-        best = max(scored, key=lambda i: df.loc[i, f"{name} mean"])
-        tied = [labels[i] for i in scored if i != best
-                and _distinct(reps[i], reps[best], entries[i], entries[best], key) == "no"]
-        rows.append({"On": name, "Best": labels[best], "Value": _score_cell(
-            *(df.loc[best, f"{name} {x}"] for x in ("mean", "std", "lo", "hi"))),
-                     "Not distinguishable from it": ", ".join(tied) or "none"})
-    for col, shown in (("Added", humanise), ("Wall time (min)", lambda v: f"{v:.1f} min")):
-        costs = [i for i in ranked if pd.notna(df.loc[i, col])]
-        if costs:
-            low = min(df.loc[i, col] for i in costs)
-            rows.append({"On": f"{col.replace(' (min)', '')} (lowest)", "Value": shown(low),
-                         "Best": ", ".join(labels[i] for i in costs if df.loc[i, col] == low),
-                         "Not distinguishable from it": "– (no interval)"})
-    return pd.DataFrame(rows, columns=["On", "Best", "Value", "Not distinguishable from it"])
+    for (profile, _, precision), members in sets.items():
+        where = f"{profile}, {df.loc[members[0], 'Tasks']} tasks, {precision}"
+        for key, name in WINNER_SCORES:
+            scored = [i for i in members if pd.notna(df.loc[i, f"{name} mean"])]
+            if not scored:
+                continue
+            best = max(scored, key=lambda i: df.loc[i, f"{name} mean"])
+            marks = {i: _distinct(reps[i], reps[best], entries[i], entries[best], key) for i in scored if i != best}
+            tied = ", ".join(labels[i] for i, m in marks.items() if m == "no") or "none"
+            apart = [labels[i] for i, m in marks.items() if m is None]
+            rows.append({"On": name, "Runs": where, "Best": labels[best], "Value": _score_cell(
+                *(df.loc[best, f"{name} {x}"] for x in ("mean", "std", "lo", "hi"))),
+                         "Not distinguishable from it": tied + (f"; not compared: {', '.join(apart)}" if apart else "")})
+        for col, shown in (("Added", humanise), ("Wall time (min)", lambda v: f"{v:.1f} min")):
+            costs = [i for i in members if pd.notna(df.loc[i, col])]
+            if costs:
+                low = min(df.loc[i, col] for i in costs)
+                rows.append({"On": f"{col.replace(' (min)', '')} (lowest)", "Runs": where, "Value": shown(low),
+                             "Best": ", ".join(labels[i] for i in costs if df.loc[i, col] == low),
+                             "Not distinguishable from it": "– (no interval)"})
+    return pd.DataFrame(rows, columns=["On", "Runs", "Best", "Value", "Not distinguishable from it"])
 
 
 def format_winners_table(df: pd.DataFrame, fmt: str = "md") -> str:

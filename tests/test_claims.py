@@ -3,6 +3,7 @@ predictions (8 test items a task, two tasks), worked out by hand."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -86,7 +87,7 @@ def test_deep_expand_pools_the_decision_maps_of_every_run(tmp_path):
     assert out[1][0] == "does not hold"
 
 
-def test_missing_or_unfinished_runs_are_not_run_yet_and_incomparable_runs_are_refused(tmp_path):
+def test_missing_or_unfinished_runs_are_not_run_yet_and_incomparable_runs_are_refused(tmp_path, capsys):
     done = run(tmp_path, "done", KEEPS)
     path = tmp_path / "runs" / "half" / "run.json"
     run(tmp_path, "half", KEEPS)
@@ -97,8 +98,14 @@ def test_missing_or_unfinished_runs_are_not_run_yet_and_incomparable_runs_are_re
     other, preds = make_record(KEEPS, tasks=["NumGLUE-cm", "Py150"], n_test=8)
     other.update(status="complete", stages_done=2)
     write_run(tmp_path / "runs" / "other", other, preds)
-    with pytest.raises(Exception, match="not comparable.*tasks"):
-        verdicts(tmp_path, {"test": "less-forgetting", "runs": ["runs/other"], "against": [done]})
+    one_layer = run(tmp_path, "one", KEEPS, decisions=[[1, 0]])
+    for claim, message in (({"test": "less-forgetting", "runs": ["runs/other"], "against": [done]},
+                            "not comparable with .*done/run.json: tasks"),
+                           ({"test": "deep-expand", "runs": [one_layer]}, "decides in 1 layer"),
+                           ({"test": "deep-expand", "runs": [done]}, "no decision maps")):
+        assert run_cli("claims", claims_file(tmp_path, claim), "--root", tmp_path) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and re.search(message, err), err
 
 
 @pytest.mark.parametrize("body, message", [
@@ -108,13 +115,18 @@ def test_missing_or_unfinished_runs_are_not_run_yet_and_incomparable_runs_are_re
     ("claims: [{id: a, says: s, test: ablation, runs: [r], against: [r], expected: 1}]", "unknown field 'expected'"),
     ("claims: [{id: a, test: ablation}]", "missing field 'says'"),
     ("claims: [", "not valid YAML"),
+    ("claims: [{id: a, says: s, test: fewer-added, runs: [r], against: [r], expect: 60%}]",
+     r"claims\[0\].expect: '60%' is not a share"),
+    ("claims: [{id: a, says: s, test: ablation, runs: [r], against: [r], expect: 0.6}]",
+     r"claims\[0\].expect: only fewer-added"),
+    ("claims: [{id: a, says: s, test: deep-expand, runs: [r], against: r}]", r"claims\[0\].against: deep-expand"),
 ])
 def test_a_bad_claims_file_is_one_line_naming_the_file_and_field(tmp_path, capsys, body, message):
     path = tmp_path / "c.yaml"
     path.write_text(body)
     assert run_cli("claims", path) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and str(path) in err and __import__("re").search(message, err), err
+    assert len(err.splitlines()) == 1 and str(path) in err and re.search(message, err), err
 
 
 def test_the_command_writes_the_table_into_the_readme_and_the_verdicts_as_json(tmp_path, capsys):

@@ -370,9 +370,10 @@ def test_forms_view_splits_each_rows_bwt_into_answer_form_and_content(tmp_path):
 
 def test_winners_view_names_the_best_row_and_those_not_told_apart_from_it(tmp_path):
     """a: Last 87.5; b: 81.25 (one item fewer kept: not told apart from a); c: 50
-    (told apart); a reference row scoring higher is never the best. Mutations
-    caught: the best taken by the lowest mean, reference rows ranked, tied rows
-    listed without the interval test, the cheapest taken as the largest."""
+    (told apart); a reference row scoring higher is never the best, nor a row of
+    another profile. Mutations caught: the best taken by the lowest mean, reference
+    rows ranked, tied rows listed without the interval test, the cheapest taken as
+    the largest, all profiles ranked together."""
     from cl_bench.leaderboard import build_winners_table
     from test_intervals import make_record, write_run
 
@@ -380,17 +381,20 @@ def test_winners_view_names_the_best_row_and_those_not_told_apart_from_it(tmp_pa
     runs = (("a", "lora", {**forgets, (1, 0): [100] * 6 + [0] * 2}, 50, False),
             ("b", "ewc", {**forgets, (1, 0): [100] * 5 + [0] * 3}, 20, False),
             ("c", "seqft", forgets, 0, False),
-            ("r", "individual", {**forgets, (1, 0): [100] * 8}, 0, True))
+            ("r", "individual", {**forgets, (1, 0): [100] * 8}, 0, True),
+            ("x", "replay", {**forgets, (1, 0): [100] * 8}, 0, False))  # another profile: its own set
     for name, method, scores, added, reference in runs:
         record, preds = make_record(scores, n_test=8)
         params = [{"stage": 1, "total": 10 + added, "trainable": 1, "active_per_token": 10, "deployed": 10 + added,
                    "experts_per_layer": None}]
-        record.update(status="complete", run_id=name, method=method, stages_done=2, profile="cpu",
-                      reference=reference, model={"id": "tiny-llama", "n_params": 10}, params=params,
+        record.update(status="complete", run_id=name, method=method, stages_done=2,
+                      profile="cpu-long" if name == "x" else "cpu", reference=reference, model={"id": "tiny-llama", "n_params": 10}, params=params,
                       summary={"last_acc": sum(sum(scores[(1, j)]) / 8 for j in (0, 1)) / 2, "stage_acc": 0.0,
-                               "bwt": 0.0}, timing={"total_s": {"a": 600, "b": 60, "c": 120, "r": 1}[name]})
+                               "bwt": 0.0}, timing={"total_s": {"a": 600, "b": 60, "c": 120, "r": 1, "x": 1}[name]})
         write_run(tmp_path / name, record, preds)
-    df = build_winners_table(load_runs(tmp_path)).set_index("On")
+    table = build_winners_table(load_runs(tmp_path))
+    assert table[table["Runs"].str.startswith("cpu-long")]["Best"].tolist()[0] == "replay"
+    df = table[table["Runs"].str.startswith("cpu,")].set_index("On")
     assert df.loc["Last Acc", "Best"] == "lora" and df.loc["Last Acc", "Value"].startswith("87.5 [")
     assert df.loc["Last Acc", "Not distinguishable from it"] == "ewc"
     assert (df.loc["Added (lowest)", "Best"], df.loc["Added (lowest)", "Value"]) == ("seqft", "0")

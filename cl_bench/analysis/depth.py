@@ -59,14 +59,21 @@ def depth_profile(maps: Sequence[Sequence[Sequence[int]]], layers: Sequence[int]
                          for m in d]}
 
 
-def record_depth(record) -> dict[str, Any] | None:
-    """depth_profile of a run record's decision maps (None: the run decided nothing,
-    or in a single layer)."""
-    rows = [p for p in record.params if p.diagnostics.get("decisions")]
+def decision_maps(params) -> tuple[list, list[int], list[int]] | None:
+    """The decision maps of a run's parameter rows, their decoder layers and stages
+    (None: the run decided nothing)."""
+    rows = [p for p in params if p.diagnostics.get("decisions")]
     if not rows:
         return None
     layers = rows[0].diagnostics.get("decision_layers") or list(range(len(rows[0].diagnostics["decisions"])))
-    if len(layers) < 2:
-        return None  # no shallow and deep third to compare
-    out = depth_profile([r.diagnostics["decisions"] for r in rows], layers)
-    return {"stages": [r.stage for r in rows], **out}
+    return [r.diagnostics["decisions"] for r in rows], list(layers), [r.stage for r in rows]
+
+
+def record_depth(record) -> dict[str, Any] | None:
+    """depth_profile of a run record's decision maps (None: the run decided nothing,
+    or in a single layer)."""
+    found = decision_maps(record.params)
+    if found is None or len(found[1]) < 2:  # < 2 layers: no shallow and deep third to compare
+        return None
+    maps, layers, stages = found
+    return {"stages": stages, **depth_profile(maps, layers)}

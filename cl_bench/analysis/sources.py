@@ -185,9 +185,12 @@ def format_table(df, fmt: str = "md") -> str:
             return MISSING
         return f"{r[f'ρ {col}']:+.2f} [{r[f'ρ {col} lo']:+.2f}, {r[f'ρ {col} hi']:+.2f}]"
 
+    def p(value):
+        return MISSING if value is None or value != value else f"{value:.3f}"
+
     rows = [[r["Method"], r["Profile"], r["Order"], str(r["Runs"]), str(r["Points"]), f"{r['Forgetting']:.1f}",
-             f"{r['Routing JS']:.2f}", f"{r['1 − CKA']:.4f}", rho(r, "routing"), f"{r['p routing']:.3f}",
-             rho(r, "CKA"), f"{r['p CKA']:.3f}", r["Verdict"]] for r in df.to_dict("records")]
+             f"{r['Routing JS']:.2f}", f"{r['1 − CKA']:.4f}", rho(r, "routing"), p(r["p routing"]),
+             rho(r, "CKA"), p(r["p CKA"]), r["Verdict"]] for r in df.to_dict("records")]
     align = ["left"] * 3 + ["right"] * 9 + ["left"]
     return tabulate(rows, COLUMNS, tablefmt="pipe" if fmt == "md" else "latex_booktabs", colalign=align,
                     disable_numparse=True) + "\n"
