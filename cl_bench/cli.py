@@ -150,7 +150,6 @@ def _support(cls) -> str:
 
 def cmd_leaderboard(args) -> int:
     from cl_bench import leaderboard
-
     from cl_bench.analysis import sources
 
     build, render = {"scores": (leaderboard.build_table, leaderboard.format_table),

@@ -337,7 +337,7 @@ def update_readme(
     stop = text.find(end, start + len(begin)) if start >= 0 else -1
     if start < 0 or stop < 0:
         raise UserError(
-            f"{readme_path}: leaderboard markers not found; add a line {begin} and, below it, "
+            f"{readme_path}: table markers not found; add a line {begin} and, below it, "
             f"a line {end} where the table should go"
         )
     new = text[: start + len(begin)] + "\n\n" + table_md.strip("\n") + "\n\n" + text[stop:]
