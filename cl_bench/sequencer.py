@@ -55,7 +55,7 @@ def execute(run: Run, keep_checkpoint: bool = False, stop: signals.Stop | None =
             ev = run.config.eval
             if (ev.eval_all or ev.zero_shot) and rec.zero_shot is None:
                 t0 = time.perf_counter()
-                evals = _evaluate(run, "zero-shot", list(range(len(run.tasks))), run.method.model)
+                evals = _evaluate(run, "zero-shot", list(range(len(run.tasks))), run.method.model, stop)
                 rec.zero_shot = [evals[j].score for j in range(len(run.tasks))]
                 for j, ev_j in evals.items():  # stage -1: the zero-shot row, before any training
                     rec.task_metrics.append({"stage": results.ZERO_SHOT_STAGE, "task": run.tasks[j].name, **ev_j.details})
@@ -65,7 +65,7 @@ def execute(run: Run, keep_checkpoint: bool = False, stop: signals.Stop | None =
             at = run_state.load_in_stage(run)
             for stage in run.stages[rec.stages_done:]:
                 stop.check()
-                _run_stage(run, stage, at)
+                _run_stage(run, stage, stop, at)
                 at = None
             stop.check()
             rec.summary = summarise(rec.matrix, rec.zero_shot)
@@ -119,8 +119,9 @@ class _InStageCheckpoints:
         self.last = time.perf_counter()
 
 
-def _run_stage(run: Run, stage: Stage, at: run_state.InStage | None = None) -> None:
-    """Train, evaluate and save `stage`; `at`: continue it from that in-stage checkpoint."""
+def _run_stage(run: Run, stage: Stage, stop: signals.Stop, at: run_state.InStage | None = None) -> None:
+    """Train, evaluate and save `stage`; `at`: continue it from that in-stage checkpoint;
+    `stop` is checked after every step and evaluation batch."""
     rec, method = run.record, run.method
     n_stages = len(run.stages)
     label = f"stage {stage.index + 1}/{n_stages} [{stage.label}]"
@@ -140,7 +141,7 @@ def _run_stage(run: Run, stage: Stage, at: run_state.InStage | None = None) -> N
                 run_state.enter_in_stage(run, at)
         desc = f"{label} {phase.name}" if len(phases) > 1 else f"{label} train"
         steps_done, used = _train_phase(run, stage, p, phase, desc, log_rows, len(phases) > 1, start,
-                                        checkpoints)
+                                        checkpoints, stop)
         n_steps += steps_done
         replayed += used
     method.after_task(stage)
@@ -157,7 +158,7 @@ def _run_stage(run: Run, stage: Stage, at: run_state.InStage | None = None) -> N
     if run.config.eval.next_task and stage.index + 1 < n_stages:  # R[b][next], for FWT
         upcoming = [run.tasks.index(t) for t in run.stages[stage.index + 1].tasks]
         indices = sorted(set(indices) | set(upcoming))
-    evals = _evaluate(run, label, indices, method.model)
+    evals = _evaluate(run, label, indices, method.model, stop)
     eval_s = time.perf_counter() - t1
     for j, ev in evals.items():
         rec.matrix[stage.index][j] = ev.score
@@ -187,7 +188,8 @@ def _run_stage(run: Run, stage: Stage, at: run_state.InStage | None = None) -> N
 
 
 def _train_phase(run: Run, stage: Stage, index: int, phase: Phase, desc: str, log_rows: list[dict],
-                 tag: bool, start: int | None, checkpoints: _InStageCheckpoints) -> tuple[int, int]:
+                 tag: bool, start: int | None, checkpoints: _InStageCheckpoints,
+                 stop: signals.Stop) -> tuple[int, int]:
     """Train phase `index` of `stage` from step `start` (None: none of it, it is
     already taken); returns (optimiser steps, replay examples used), the steps
     taken before `start` included. Step log rows go to `log_rows`, tagged with the
@@ -225,6 +227,7 @@ def _train_phase(run: Run, stage: Stage, index: int, phase: Phase, desc: str, lo
             bar.update()
             if step + 1 < n_steps:  # at the phase's end, the next phase's first step comes soon
                 checkpoints.after_step(index, step + 1, log_rows)
+            stop.check()  # a signal whose interrupt a finaliser swallowed during the step
 
         replayed += run.backend.train_stage(method, run.optimizer, stage, epochs,
                                             run.encoder.tokenizer.pad_token_id, on_step, replay_rows,
@@ -240,13 +243,17 @@ def _epochs(run: Run, stage: Stage) -> list[list[dict]]:
     return [[row for n, rows in per_task if e < n for row in rows] for e in range(n_epochs)]
 
 
-def _evaluate(run: Run, stage_label: str, indices: list[int], model) -> dict[int, Any]:
+def _evaluate(run: Run, stage_label: str, indices: list[int], model, stop: signals.Stop) -> dict[int, Any]:
     total = sum(len(run.tasks[j].test) for j in indices)
     out = {}
     with tqdm(total=total, desc=f"{stage_label} eval", unit="ex", disable=not run.progress,
               leave=False) as bar, precision.evaluation(run.backend.eval_precision, run.backend.device, model):
+        def batch_done(n: int) -> None:
+            bar.update(n)
+            stop.check()
+
         for j in indices:
-            out[j] = evaluate_task(model, run.encoder, run.tasks[j], run.config.eval, bar.update,
+            out[j] = evaluate_task(model, run.encoder, run.tasks[j], run.config.eval, batch_done,
                                    run.backend.generate)
     return out
 

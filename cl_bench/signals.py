@@ -8,7 +8,11 @@ command that started it.
 - `interrupt_on_signals()`, around a run in the process that trains (one process,
   or each rank): the first SIGINT or SIGTERM raises KeyboardInterrupt; later ones
   are ignored, so that a second signal (DeepSpeed's launcher sends SIGTERM to ranks
-  that already have SIGINT) cannot cut the write of the record.
+  that already have SIGINT) cannot cut the write of the record. Python drops an
+  exception raised where it cannot propagate (a finaliser: `__del__`, which the
+  garbage collector runs at any point); so the trainer also calls `Stop.check()`
+  after every step and evaluation batch, and that swallowed KeyboardInterrupt is
+  not printed as an "Exception ignored" traceback.
 - `wait_forwarding(proc)`, in `cl-bench run --nproc N`, which started the launcher
   in its own process group: a SIGINT or SIGTERM is forwarded to that whole group
   (launcher and ranks), then this waits until every process of it has exited, so
@@ -21,6 +25,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -65,8 +70,16 @@ def interrupt_on_signals(stop: Stop | None = None) -> Iterator[Stop]:
         if first:
             raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    with _handling(handler):
-        yield stop
+    def unraisable(info):  # our interrupt, swallowed by a finaliser: stop.check() raises it again
+        if not (stop.fired and isinstance(info.exc_value, KeyboardInterrupt)):
+            previous_hook(info)
+
+    previous_hook, sys.unraisablehook = sys.unraisablehook, unraisable
+    try:
+        with _handling(handler):
+            yield stop
+    finally:
+        sys.unraisablehook = previous_hook
 
 
 @contextlib.contextmanager

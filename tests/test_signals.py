@@ -2,6 +2,9 @@
 
 - in the process that trains: the first signal raises KeyboardInterrupt, later ones
   are ignored (mutation caught: a handler that raises every time, or none at all);
+- an interrupt that a finaliser swallows (`__del__`, run by the garbage collector) is
+  not printed, and stops training at the next step and evaluation at the next batch
+  (mutations caught: no unraisable hook; no check after a step, or after a batch);
 - `cl-bench run` stopped with SIGTERM (what kill and timeout send) records
   "interrupted" and resumes to the uninterrupted run's results;
 - `wait_forwarding`: the launcher's whole group gets the signal and the command
@@ -40,6 +43,76 @@ def test_first_signal_interrupts_and_later_ones_are_ignored():
         time.sleep(0.01)  # the record is being written: nothing may cut it
     assert stop.signals == [signal.SIGTERM, signal.SIGINT] and stop.names == "SIGTERM, SIGINT"
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+class _SignalsWhenCollected:
+    """An object whose finaliser receives `sig`: its KeyboardInterrupt cannot propagate."""
+
+    def __init__(self, sig: int, error: type | None = None):
+        self.sig, self.error = sig, error
+
+    def __del__(self):
+        os.kill(os.getpid(), self.sig)
+        for _ in range(1000):  # the handler runs here, inside the finaliser
+            pass
+        if self.error is not None:
+            raise self.error("a finaliser's own error")
+
+
+def test_an_interrupt_a_finaliser_swallows_is_not_printed_and_check_raises_it(monkeypatch):
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    with signals.interrupt_on_signals() as stop:
+        _SignalsWhenCollected(signal.SIGTERM)  # collected at once: the interrupt is swallowed
+        assert stop.fired and seen == []
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            stop.check()
+        _SignalsWhenCollected(signal.SIGINT, ValueError)  # ignored signal; the error is not ours
+    assert [type(u.exc_value) for u in seen] == [ValueError]
+    assert sys.unraisablehook == seen.append
+
+
+def _swallowed_in(monkeypatch, trace_dir, tmp_path, where: str) -> tuple[object, int]:
+    """A smoke run whose first stage has its interrupt swallowed at the first training
+    step's loss or the first evaluation batch; returns its record and how many steps
+    (or batches) ran after that one."""
+    from cl_bench.config import resolve
+    from cl_bench.methods.seqft import SeqFT
+    from cl_bench.prepare import prepare
+    from cl_bench import sequencer
+
+    stop, after = signals.Stop(), []
+
+    def swallow(step: int = 0):  # step: the optimiser step (several micro-batches may share one)
+        if stop.fired and step > 0:
+            after.append(step)
+        stop.signals.append(signal.SIGTERM)  # what the handler records before its raise is lost
+
+    if where == "train":
+        real_loss = SeqFT.loss
+        monkeypatch.setattr(SeqFT, "loss", lambda self, batch, step: (swallow(step), real_loss(self, batch, step))[1])
+    else:
+        real_eval = sequencer.evaluate_task
+
+        def evaluate(model, encoder, task, cfg, on_batch, generate):
+            def batch(n):
+                swallow(1)
+                on_batch(n)
+            return real_eval(model, encoder, task, cfg, batch, generate)
+        monkeypatch.setattr(sequencer, "evaluate_task", evaluate)
+    config = resolve("smoke", None, {"method_args": {"lr": "1e-3"}, "data": {"data_dir": str(trace_dir)},
+                                     "output_dir": str(tmp_path / "runs"), "eval": {"batch_size": "2"}})
+    run = prepare(config, progress=False)
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        sequencer.execute(run, stop=stop)
+    return run.record, len(after)
+
+
+@pytest.mark.parametrize("where", ["train", "eval"])
+def test_a_swallowed_interrupt_stops_at_the_next_step_or_batch(monkeypatch, trace_dir, tmp_path, where):
+    record, after = _swallowed_in(monkeypatch, trace_dir, tmp_path, where)
+    assert record.status == "interrupted" and record.stages_done == 0
+    assert after == 0  # nothing ran after the step or batch in which the signal came
 
 
 def _env() -> dict:
