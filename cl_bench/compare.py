@@ -18,6 +18,7 @@ import numpy as np
 from tabulate import tabulate
 
 from cl_bench import results
+from cl_bench.analysis.depth import decision_agreement
 from cl_bench.errors import UserError
 from cl_bench.intervals import SEED, SUMMARIES, ItemTable, point_summaries, replicates
 from cl_bench.metrics import bootstrap
@@ -86,8 +87,10 @@ def _final_scores(table: ItemTable, resamples: int) -> tuple[np.ndarray, np.ndar
 
 def compare(run_dirs: list[Path], resamples: int = bootstrap.RESAMPLES) -> dict[str, Any]:
     """{"baseline", "resamples", "comparisons": [{"run", "summaries": {name: {run,
-    baseline, diff, ci, p}}, "tasks": {task: {...}}}]}: every run against the first,
-    paired over items; "tasks" holds each task's final score."""
+    baseline, diff, ci, p}}, "tasks": {task: {...}}, "decisions"?}]}: every run
+    against the first, paired over items; "tasks" holds each task's final score;
+    "decisions", where both runs decide per layer and expert (expand or recycle), how
+    often they decide alike (analysis.depth.decision_agreement)."""
     if len(run_dirs) < 2:
         raise UserError("compare needs at least two run folders: the baseline first, then the others")
     run_dirs = [Path(d) for d in run_dirs]
@@ -119,7 +122,9 @@ def compare(run_dirs: list[Path], resamples: int = bootstrap.RESAMPLES) -> dict[
                 tasks[task] = {"run": float(final[j]), "baseline": float(base_final[j]),
                                **bootstrap.paired_difference(final_reps[:, j], base_final_reps[:, j],
                                                              float(final[j] - base_final[j]))}
-        out.append({"run": str(d), "method": rec.method, "summaries": rows, "tasks": tasks})
+        decisions = decision_agreement(rec.params, base_rec.params)
+        out.append({"run": str(d), "method": rec.method, "summaries": rows, "tasks": tasks,
+                    **({"decisions": decisions} if decisions else {})})
     return {"baseline": str(run_dirs[0]), "baseline_method": base_rec.method, "resamples": resamples,
             "seed": SEED, "level": bootstrap.LEVEL, "comparisons": out}
 
@@ -137,5 +142,16 @@ def format_comparison(result: dict[str, Any]) -> str:
                          f"{r['diff']:+.1f}", "–" if ci is None else f"[{ci[0]:+.1f}, {ci[1]:+.1f}]",
                          "–" if r["p"] is None else f"{r['p']:.3f}", verdict])
     head = ["run", "summary", "run", "baseline", "difference", "95% interval", "p", "at 95%"]
-    return (f"baseline: {result['baseline']} ({result['baseline_method']}); paired bootstrap over test items, "
+    text = (f"baseline: {result['baseline']} ({result['baseline_method']}); paired bootstrap over test items, "
             f"{result['resamples']} resamples\n" + tabulate(rows, head, tablefmt="github", disable_numparse=True))
+    for comp in result["comparisons"]:
+        if "decisions" in comp:
+            text += f"\n{comp['run']}: {_format_agreement(comp['decisions'])}"
+    return text
+
+
+def _format_agreement(d: dict[str, Any]) -> str:
+    kappa = "undefined (chance alone agrees everywhere)" if d["kappa"] is None else f"{d['kappa']:+.2f}"
+    stages = ", ".join(f"stage {s + 1} {x['agree']:.0%} of {x['n']}" for s, x in d["stages"].items())
+    return (f"decisions agree with the baseline's in {d['agree']:.1%} of {d['n']} ({stages}); expand rate "
+            f"{d['expand'][0]:.0%} vs {d['expand'][1]:.0%}; Cohen's kappa {kappa}")

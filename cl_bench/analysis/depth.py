@@ -69,6 +69,34 @@ def decision_maps(params) -> tuple[list, list[int], list[int]] | None:
     return [r.diagnostics["decisions"] for r in rows], list(layers), [r.stage for r in rows]
 
 
+def decision_agreement(params_a, params_b) -> dict[str, Any] | None:
+    """How often two runs' decision maps agree, over the (stage, layer, expert) cells
+    both decided: {"n", "agree" (fraction), "expand" (each run's expand rate), "kappa"
+    (Cohen's: agreement beyond what the two rates give by chance; None when chance
+    alone agrees everywhere, e.g. both expand every expert), "stages": per stage the
+    same}. None when either run decided nothing, or the two decided on other layers."""
+    found = decision_maps(params_a), decision_maps(params_b)
+    if None in found or found[0][1] != found[1][1]:
+        return None
+    (maps_a, _, stages_a), (maps_b, _, stages_b) = found
+    by_stage_b = dict(zip(stages_b, maps_b))
+    pairs = [(s, np.asarray(m, dtype=int), np.asarray(by_stage_b[s], dtype=int))
+             for s, m in zip(stages_a, maps_a) if s in by_stage_b]
+    pairs = [(s, a, b) for s, a, b in pairs if a.shape == b.shape]
+    if not pairs:
+        return None
+
+    def agreement(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
+        ra, rb, po = float(a.mean()), float(b.mean()), float((a == b).mean())
+        pe = ra * rb + (1 - ra) * (1 - rb)
+        return {"n": int(a.size), "agree": po, "expand": [ra, rb],
+                "kappa": None if pe >= 1 - 1e-12 else (po - pe) / (1 - pe)}
+
+    both = agreement(np.concatenate([a.ravel() for _, a, _ in pairs]),
+                     np.concatenate([b.ravel() for _, _, b in pairs]))
+    return {**both, "stages": {int(s): agreement(a, b) for s, a, b in pairs}}
+
+
 def record_depth(record) -> dict[str, Any] | None:
     """depth_profile of a run record's decision maps (None: the run decided nothing,
     or in a single layer)."""

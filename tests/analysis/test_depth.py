@@ -1,10 +1,14 @@
 """cl_bench/analysis/depth.py: do deep layers expand more than shallow ones, on
-hand-made decision maps (30 layers as SmolLM2, 8 slots)."""
+hand-made decision maps (30 layers as SmolLM2, 8 slots); and how often two runs'
+decision maps agree (compare's "decisions")."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from cl_bench.analysis import depth
 from cl_bench.analysis.depth import depth_profile
 
 L, K = 30, 8
@@ -58,3 +62,43 @@ def test_too_few_layers_or_a_wrong_shape_is_refused():
         depth_profile([[[1], [0]][:1]], [0])
     with pytest.raises(ValueError, match="for 3 layers"):
         depth_profile([[[1], [0]]], [0, 1, 2])
+
+
+def _rows(maps: dict[int, list], layers=(0, 1, 2)) -> list:
+    """Parameter rows as a run record holds them: stage 0 decides nothing."""
+    return [SimpleNamespace(stage=0, diagnostics={})] + [
+        SimpleNamespace(stage=s, diagnostics={"decisions": m, "decision_layers": list(layers)})
+        for s, m in maps.items()]
+
+
+def test_decision_agreement_counts_cells_alike_and_corrects_for_chance():
+    """Mutations caught: kappa without the chance correction; stages paired by position
+    instead of by stage; runs on other layers compared."""
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 2, (3, 200)).tolist()
+    b = rng.integers(0, 2, (3, 200)).tolist()  # independent of a: agreement near chance
+    flipped = [row[:] for row in a]
+    flipped[1][:20] = [1 - x for x in flipped[1][:20]]
+    same = depth.decision_agreement(_rows({1: a, 2: flipped}), _rows({1: a, 2: a}))
+    assert same["n"] == 1200 and same["agree"] == pytest.approx(1 - 20 / 1200)
+    assert same["stages"][1]["agree"] == 1.0 and same["stages"][1]["kappa"] == pytest.approx(1.0)
+    assert same["stages"][2]["agree"] == pytest.approx(1 - 20 / 600)
+    chance = depth.decision_agreement(_rows({1: a}), _rows({1: b}))
+    assert 0.4 < chance["agree"] < 0.6 and abs(chance["kappa"]) < 0.1
+    ones = [[1] * 200] * 3
+    all_expand = depth.decision_agreement(_rows({1: ones}), _rows({1: ones}))
+    assert all_expand["agree"] == 1.0 and all_expand["kappa"] is None and all_expand["expand"] == [1.0, 1.0]
+    only_shared_stage = depth.decision_agreement(_rows({1: a, 2: b}), _rows({2: b}))
+    assert only_shared_stage["n"] == 600 and only_shared_stage["agree"] == 1.0
+    assert depth.decision_agreement(_rows({1: a}), _rows({1: a}, layers=(3, 4, 5))) is None
+    assert depth.decision_agreement(_rows({}), _rows({1: a})) is None
+
+
+def test_compare_prints_the_agreement_of_decisions():
+    from cl_bench.compare import format_comparison
+
+    decisions = depth.decision_agreement(_rows({1: [[1, 0], [1, 1]]}), _rows({1: [[1, 1], [1, 1]]}))
+    text = format_comparison({"baseline": "base", "baseline_method": "bilevel-cka", "resamples": 10,
+                              "comparisons": [{"run": "shared", "summaries": {}, "decisions": decisions}]})
+    assert "shared: decisions agree with the baseline's in 75.0% of 4 (stage 2 75% of 4)" in text
+    assert "expand rate 75% vs 100%" in text and "kappa +0.00" in text  # one run constant: no agreement beyond chance
