@@ -221,6 +221,9 @@ def _deep_expand(runs, against, claim) -> tuple[str, str, dict]:
     verdict = {"deep layers expand more": HOLDS, "shallow layers expand more": FAILS}.get(out["verdict"], UNCLEAR)
     text = (f"deep {100 * out['deep_rate']:.0f}% vs shallow {100 * out['shallow_rate']:.0f}% expand: "
             f"{100 * out['diff']:+.0f} [{100 * out['ci'][0]:+.0f}, {100 * out['ci'][1]:+.0f}] points, p {out['p']:.3f}")
+    alike = {int(x) for m in maps for row in m for x in row}
+    if len(alike) == 1:  # the rule's verdict stands; the reader learns why there is no depth to see
+        text += f"; every decision was {'Expand' if alike == {1} else 'Recycle'}, in every layer"
     return verdict, text, out
 
 

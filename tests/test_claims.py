@@ -85,6 +85,12 @@ def test_deep_expand_pools_the_decision_maps_of_every_run(tmp_path):
     out = verdicts(tmp_path, {"test": "deep-expand", "runs": runs}, {"test": "deep-expand", "runs": [flipped]})
     assert out[0][0] == "holds" and out[0][1].startswith("deep 100% vs shallow 0% expand: +100")
     assert out[1][0] == "does not hold"
+    everywhere = run(tmp_path, "e", KEEPS, decisions=[[1, 1]] * 30)
+    mixed = run(tmp_path, "m", KEEPS, decisions=[[1, 1]] * 29 + [[1, 0]])
+    (same, text), (_, mixed_text) = verdicts(tmp_path, {"test": "deep-expand", "runs": [everywhere]},
+                                             {"test": "deep-expand", "runs": [mixed]})
+    assert same == "not distinguishable" and text.endswith("; every decision was Expand, in every layer")
+    assert "every decision" not in mixed_text
 
 
 def test_missing_or_unfinished_runs_are_not_run_yet_and_incomparable_runs_are_refused(tmp_path, capsys):
