@@ -152,6 +152,6 @@ def format_comparison(result: dict[str, Any]) -> str:
 
 def _format_agreement(d: dict[str, Any]) -> str:
     kappa = "undefined (chance alone agrees everywhere)" if d["kappa"] is None else f"{d['kappa']:+.2f}"
-    stages = ", ".join(f"stage {s + 1} {x['agree']:.0%} of {x['n']}" for s, x in d["stages"].items())
+    stages = ", ".join(f"stage {int(s) + 1} {x['agree']:.0%} of {x['n']}" for s, x in d["stages"].items())
     return (f"decisions agree with the baseline's in {d['agree']:.1%} of {d['n']} ({stages}); expand rate "
             f"{d['expand'][0]:.0%} vs {d['expand'][1]:.0%}; Cohen's kappa {kappa}")
