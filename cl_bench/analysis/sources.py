@@ -28,15 +28,20 @@ lies above 0 and p < 0.05, as cl_bench/analysis/depth.py's verdict:
     representation change    rho_C clear, rho_D not
     both                     both clear (D and C move together; not told apart)
     not distinguishable      neither clear
+    too few tasks            the permutation test cannot reach p < 0.05 at all
 
 With few tasks the test has little power: "not distinguishable" is then the
-expected answer, not evidence of no effect. The magnitudes beside the verdict
+expected answer, not evidence of no effect. With fewer distinct shuffles of the
+tasks among themselves than 1 / 0.05 = 20 (three tasks in one run have 3! = 6;
+two tasks correlate at +-1 whatever they do) no outcome could be clear, so rho,
+its interval and p are left out (None) and the verdict says why. The magnitudes beside the verdict
 (mean F, D, C over the last stage's points) say how much there is to explain. A
 run without both probes has no analysis (None); one whose forgetting (or source)
 ties within every age gets rho None and no verdict.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -102,6 +107,9 @@ def sources(runs: Sequence[Sequence[dict[str, Any]]], resamples: int = RESAMPLES
     ids = np.unique(cluster)
     run_of = np.array([c.split("/", 1)[0] for c in ids])
     within = [np.flatnonzero(run_of == r) for r in np.unique(run_of)]
+    if math.prod(math.factorial(len(at)) for at in within) * (1 - LEVEL) < 1:
+        return _summary({name: {"rho": None, "ci": None, "p": None, "clear": False} for name in SOURCES},
+                        "too few tasks", runs, rows, ids, resamples)
     f = _task_means(_centred_ranks(np.array([p["F"] for _, p in rows]), stratum), cluster, ids)
     rng = np.random.default_rng(seed)
     out: dict[str, Any] = {}
@@ -127,6 +135,10 @@ def sources(runs: Sequence[Sequence[dict[str, Any]]], resamples: int = RESAMPLES
     routing_clear, cka_clear = out["routing"]["clear"], out["cka"]["clear"]
     verdict = ("both" if routing_clear and cka_clear else "routing drift" if routing_clear else
                "representation change" if cka_clear else "not distinguishable")
+    return _summary(out, verdict, runs, rows, ids, resamples)
+
+
+def _summary(out, verdict, runs, rows, ids, resamples) -> dict[str, Any]:
     last = {r: max(p["stage"] for p in pts) for r, pts in enumerate(runs) if pts}
     at_last = [p for r, p in rows if p["stage"] == last[r]]
     return {**out, "verdict": verdict, "points": len(rows), "tasks": len(ids), "runs": len(runs),

@@ -11,17 +11,17 @@ from cl_bench.record import RunRecord, StageRecord
 T = 8
 
 
-def record(forget, drift, change, learned=None) -> RunRecord:
+def record(forget, drift, change, learned=None, n=T) -> RunRecord:
     """A run whose task j scores 50 right after stage j and 50 - forget(j, b) after a
     later stage b, with routing JS drift(j, b) in each of 2 routed layers and CKA
     1 - change(j, b) in each of 3 decoder layers."""
-    tasks = [f"t{j}" for j in range(T)]
-    matrix = [[50.0 - forget(j, b) if j < b else 50.0 if j == b else None for j in range(T)] for b in range(T)]
+    tasks = [f"t{j}" for j in range(n)]
+    matrix = [[50.0 - forget(j, b) if j < b else 50.0 if j == b else None for j in range(n)] for b in range(n)]
     routing = {str(b): {tasks[j]: {"shares": [[1.0]], **({"js": [drift(j, b)] * 2} if j < b else {})}
-                        for j in range(b + 1)} for b in range(T)}
-    cka = {str(b): {tasks[j]: [1.0 - change(j, b)] * 3 for j in range(b)} for b in range(T)}
+                        for j in range(b + 1)} for b in range(n)}
+    cka = {str(b): {tasks[j]: [1.0 - change(j, b)] * 3 for j in range(b)} for b in range(n)}
     return RunRecord(method="m", tasks=tasks, matrix=matrix, probes={"routing": routing, "cka": cka},
-                     stages=[StageRecord(b, tasks[b], [tasks[b]]) for b in range(T)])
+                     stages=[StageRecord(b, tasks[b], [tasks[b]]) for b in range(n)])
 
 
 V = [3, 7, 0, 5, 1, 6, 2, 4]  # each task's vulnerability: not a function of its position
@@ -89,6 +89,23 @@ def test_a_task_learned_in_a_joint_stage_counts_from_that_stage_and_probes_are_n
     assert by[("t1", 1)] == 60.0 - 50.0 and by[("t1", 2)] == 60.0 - rec.matrix[2][1]
     rec.probes = None
     assert points(rec) == [] and record_sources(rec) is None
+
+
+def test_too_few_tasks_for_the_permutation_test_to_reach_005_get_no_rho():
+    """Three earlier tasks in one run have 3! = 6 shuffles: p could never fall below
+    0.05 (and two tasks correlate at +-1 whatever they do), so no rho, interval or p
+    and the verdict says so; four tasks (24 shuffles), or two runs of three pooled
+    (36), are tested. Mutation caught: the check dropped (two tasks give rho +1.00
+    [+1.00, +1.00], which reads as a perfect link)."""
+    forget, drift = (lambda j, b: 5.0 * V[j] + b - j), (lambda j, b: 0.05 * V[j] + 0.01 * (b - j))
+    for n in (3, 4):
+        few = record_sources(record(forget, drift, noise(0), n=n))
+        assert few["verdict"] == "too few tasks" and few["tasks"] == n - 1, few
+        assert all(few[k] == {"rho": None, "ci": None, "p": None, "clear": False} for k in ("routing", "cka"))
+        assert few["points"] == n * (n - 1) // 2 and few["last"]["F"] > 0
+    assert record_sources(record(forget, drift, noise(0), n=5))["routing"]["rho"] == pytest.approx(1.0)
+    small = points(record(forget, drift, noise(0), n=4))
+    assert sources([small, small])["routing"]["rho"] == pytest.approx(1.0)
 
 
 def test_the_interval_resamples_tasks_not_points():
