@@ -20,9 +20,7 @@ import resource
 import time
 from typing import Any
 
-from tqdm import tqdm
-
-from cl_bench import precision, results, run_state, signals
+from cl_bench import precision, progress, results, run_state, signals
 from cl_bench.analysis.sharpness import expert_sharpness
 from cl_bench.data import collate, tokenize_train
 from cl_bench.errors import UserError
@@ -210,7 +208,7 @@ def _train_phase(run: Run, stage: Stage, index: int, phase: Phase, desc: str, lo
     start = n_steps if start is None else start
     schedule = LrSchedule(run.optimizer, t.lr_schedule, t.warmup_ratio, n_steps)
     schedule.at(start)
-    with tqdm(total=n_steps, initial=start, desc=desc, unit="step", disable=not run.progress) as bar:
+    with progress.bar(n_steps, desc, "step", run.progress, run.backend.is_main, initial=start) as bar:
         def on_step(step: int, parts: dict[str, float]) -> None:
             bad = [k for k, v in parts.items() if not math.isfinite(v)]
             if bad:  # diverged: the stage stops here, before anything of it is saved
@@ -246,8 +244,8 @@ def _epochs(run: Run, stage: Stage) -> list[list[dict]]:
 def _evaluate(run: Run, stage_label: str, indices: list[int], model, stop: signals.Stop) -> dict[int, Any]:
     total = sum(len(run.tasks[j].test) for j in indices)
     out = {}
-    with tqdm(total=total, desc=f"{stage_label} eval", unit="ex", disable=not run.progress,
-              leave=False) as bar, precision.evaluation(run.backend.eval_precision, run.backend.device, model):
+    with progress.bar(total, f"{stage_label} eval", "ex", run.progress, run.backend.is_main,
+                      leave=False) as bar, precision.evaluation(run.backend.eval_precision, run.backend.device, model):
         def batch_done(n: int) -> None:
             bar.update(n)
             stop.check()
