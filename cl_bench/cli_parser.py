@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["md", "csv", "latex"], default="md")
     p.add_argument("--view", choices=["scores", "winners", "forms", "sources"], default="scores",
                    help="scores: the leaderboard (default); winners: the best row on each score with the rows "
-                        "not distinguishable from it, the cheapest on each cost; forms: each row's BWT split "
+                        "not distinguishable from it (on BWT only rows whose Gain is above 0 at 95%), the cheapest on "
+                        "each cost; forms: each row's BWT split "
                         "into answer form and content; sources: per MoE row, whether its forgetting tracks routing drift or "
                         "representation change (cl_bench/analysis/sources.py)")
     p.add_argument("--update-readme", type=Path, metavar="README",

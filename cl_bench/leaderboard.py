@@ -390,6 +390,14 @@ def format_forms_table(df: pd.DataFrame, fmt: str = "md") -> str:
 
 
 WINNER_SCORES = (("last_acc", "Last Acc"), ("bwt", "BWT"), ("learn_gain", "Gain"))
+# A row that did not learn its tasks has nothing to forget: on these scores only the rows
+# whose Gain is above 0 at 95% (or that have no Gain: no zero-shot row) are ranked.
+NEEDS_LEARNING = ("bwt",)
+
+
+def _learned(df: pd.DataFrame, i: int) -> bool:
+    lo = df.loc[i, "Gain lo"]
+    return pd.isna(lo) or lo > 0
 
 
 def build_winners_table(runs: list[RunRecord]) -> pd.DataFrame:
@@ -399,7 +407,8 @@ def build_winners_table(runs: list[RunRecord]) -> pd.DataFrame:
     interval of the difference over items and seeds holds 0), rows that cannot be
     compared with it (no predictions, another budget) named as such; per cost
     (Added parameters, wall time; lower is better, no interval) the lowest row.
-    Reference rows are not ranked."""
+    Reference rows are not ranked, nor, on BWT (NEEDS_LEARNING), a row whose Gain is
+    not above 0 at 95%: it is named as such."""
     df, groups = build_rows(runs)
     labels = _method_labels(df)
     ranked = [i for i in range(len(df)) if not df.loc[i, "Reference"]]
@@ -413,6 +422,8 @@ def build_winners_table(runs: list[RunRecord]) -> pd.DataFrame:
         where = f"{profile}, {df.loc[members[0], 'Tasks']} tasks, {precision}"
         for key, name in WINNER_SCORES:
             scored = [i for i in members if pd.notna(df.loc[i, f"{name} mean"])]
+            idle = [i for i in scored if key in NEEDS_LEARNING and not _learned(df, i)]
+            scored = [i for i in scored if i not in idle]
             if not scored:
                 continue
             best = max(scored, key=lambda i: df.loc[i, f"{name} mean"])
@@ -421,7 +432,8 @@ def build_winners_table(runs: list[RunRecord]) -> pd.DataFrame:
             apart = [labels[i] for i, m in marks.items() if m is None]
             rows.append({"On": name, "Runs": where, "Best": labels[best], "Value": _score_cell(
                 *(df.loc[best, f"{name} {x}"] for x in ("mean", "std", "lo", "hi"))),
-                         "Not distinguishable from it": tied + (f"; not compared: {', '.join(apart)}" if apart else "")})
+                         "Not distinguishable from it": tied + (f"; not compared: {', '.join(apart)}" if apart else "")
+                         + (f"; not ranked (Gain not above 0): {', '.join(labels[i] for i in idle)}" if idle else "")})
         for col, shown in (("Added", humanise), ("Wall time (min)", lambda v: f"{v:.1f} min")):
             costs = [i for i in members if pd.notna(df.loc[i, col])]
             if costs:

@@ -9,6 +9,7 @@ import pytest
 
 from cl_bench.errors import UserError
 from cl_bench.leaderboard import build_table, format_table, humanise, load_runs, update_readme
+from cl_bench.metrics.cl import summarise
 from cl_bench.record import SCHEMA_VERSION
 
 ORDER = ["MeetingBank", "Py150", "NumGLUE-cm"]
@@ -366,6 +367,30 @@ def test_forms_view_splits_each_rows_bwt_into_answer_form_and_content(tmp_path):
     assert (seqft["Format ≠ 0"], seqft["Content ≠ 0"]) == ("yes", "yes")
     text = format_forms_table(df)
     assert "| lora" in text and "-50.0 ± 0.0 [" in text
+
+
+def test_winners_view_does_not_rank_on_bwt_a_row_that_learned_nothing(tmp_path):
+    """idle scores its zero-shot answers at every stage (Gain 0, BWT 0); learns lifts
+    each task from 0 to 100 and then forgets a quarter of task 0 (BWT -25). On BWT
+    learns is the best and idle is named as not ranked; on Last Acc idle still is
+    ranked. Mutation caught: the Gain filter dropped (idle, BWT 0, wins BWT)."""
+    from cl_bench.leaderboard import build_winners_table
+    from test_intervals import make_record, write_run
+
+    half = [100] * 4 + [0] * 4
+    idle = {(b, j): half for b in (-1, 0, 1) for j in (0, 1)}
+    learns = {(-1, 0): [0] * 8, (-1, 1): [0] * 8, (0, 0): [100] * 8, (0, 1): [0] * 8,
+              (1, 0): [100] * 6 + [0] * 2, (1, 1): [100] * 8}
+    for name, method, scores in (("idle", "care", idle), ("learns", "seqft", learns)):
+        record, preds = make_record(scores, n_test=8)
+        record.update(status="complete", run_id=name, method=method, stages_done=2, profile="cpu",
+                      model={"id": "tiny-llama", "n_params": 10}, params=[],
+                      summary=summarise(record["matrix"], record["zero_shot"]), timing={"total_s": 60})
+        write_run(tmp_path / name, record, preds)
+    df = build_winners_table(load_runs(tmp_path)).set_index("On")
+    assert df.loc["BWT", "Best"] == "seqft" and df.loc["BWT", "Value"].startswith("-25.0 [")
+    assert df.loc["BWT", "Not distinguishable from it"].endswith("; not ranked (Gain not above 0): care")
+    assert df.loc["Last Acc", "Best"] == "seqft" and "not ranked" not in df.loc["Last Acc", "Not distinguishable from it"]
 
 
 def test_winners_view_names_the_best_row_and_those_not_told_apart_from_it(tmp_path):
