@@ -168,8 +168,8 @@ def _prepare_locked(config, resume_dir, run_dir, record, method_cls, method_args
         record.resumes = [{"at_stage": 0, "command": command, "backend": backend.describe()}]
         if backend.is_main:
             within = results.has_checkpoint(run_dir, results.STEP_CHECKPOINT_DIR)
-            log.info("%s: no stage checkpoint (it stopped before its first stage was saved); restarting it "
-                     "from stage 1%s", run_dir, ", then from its in-stage checkpoint" if within else "")
+            log.info("%s: no stage checkpoint (it stopped in stage 1, or before stage 1's was written); "
+                     "restarting it from stage 1%s", run_dir, ", then from its in-stage checkpoint" if within else "")
         backend.barrier()  # every rank has read the files before rank 0 rewrites them
         backend.on_main(lambda: (run_dir / results.METRICS_FILE).unlink(missing_ok=True))
         run_state.write_files(run)
@@ -178,12 +178,16 @@ def _prepare_locked(config, resume_dir, run_dir, record, method_cls, method_args
 
 
 def resumable(record: RunRecord, resume_dir: Path) -> RunRecord:
-    """`record`, if --resume can continue it: not complete, and its config recorded."""
+    """`record`, if --resume can continue it: not complete, its config recorded, and
+    the checkpoint of its finished stages there (results.stranded)."""
     if record.status == "complete":
         raise UserError(f"{resume_dir}: this run is already complete; nothing to resume")
     if record.config is None:
         raise UserError(f"{resume_dir / results.RUN_FILE}: the record has no 'config'; it cannot be "
                         f"resumed: start a new run")
+    why = results.stranded(resume_dir, record.stages_done)
+    if why:
+        raise UserError(why)
     return record
 
 

@@ -264,6 +264,21 @@ def has_checkpoint(run_dir: Path, name: str = CHECKPOINT_DIR) -> bool:
     return any((run_dir / folder / "state.pt").exists() for folder in (name, f"{name}.old"))
 
 
+def stranded(run_dir: Path, stages_done: int) -> str | None:
+    """Why --resume cannot continue a record of `stages_done` finished stages whose
+    folder holds no stage checkpoint (None: it can). With 0 or 1 stages recorded none
+    is needed: a stop in stage 1, or between stage 1's record and its checkpoint, and
+    the run starts again. With more, cl-bench has always left one, so the folder was
+    copied without its git-ignored checkpoint folders (to another machine, a clone) or
+    the checkpoint was removed; starting again would overwrite the recorded stages."""
+    if stages_done < 2 or has_checkpoint(run_dir):
+        return None
+    return (f"{run_dir / RUN_FILE}: stages_done is {stages_done}, but {run_dir} holds no {CHECKPOINT_DIR}/ "
+            f"(copied without its git-ignored checkpoint folders, or removed), and --resume would start again "
+            f"from stage 1 over the {stages_done} recorded stages: put {CHECKPOINT_DIR}/ back beside "
+            f"{RUN_FILE}, or move the folder away and start the run again")
+
+
 def remove_checkpoint(run_dir: Path, name: str) -> None:
     for folder in (name, f"{name}.old", f"{name}.new"):
         shutil.rmtree(run_dir / folder, ignore_errors=True)

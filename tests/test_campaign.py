@@ -115,6 +115,25 @@ def test_a_run_another_process_runs_holds_a_slot_until_it_ends(plan, tmp_path):
     assert started["status"] == "complete" and released == [False]
 
 
+def test_a_run_folder_without_its_stage_checkpoint_is_shown_stuck_and_not_launched(plan, monkeypatch, capsys):
+    """A record of 2 finished stages whose checkpoint/ is gone (git ignores it, so a
+    clone or the next machine has none): `stuck`, the reason on stderr naming the plan
+    line, and not handed to the launcher, which would have it refused. Mutation caught:
+    the stranded check dropped from the survey (shown `left` and launched)."""
+    path, out = plan
+    cut = out / "b" / "cut"
+    record = json.loads((cut / "run.json").read_text())
+    (cut / "run.json").write_text(json.dumps({**record, "stages_done": 2}))
+    results.remove_checkpoint(cut, results.CHECKPOINT_DIR)
+    launched = []
+    monkeypatch.setattr(launch, "run_local", lambda todo, *rest: launched.extend(e.run_dir for e, _, _ in todo) or 0)
+    assert campaign(str(path), "--code", str(ROOT)) == 0
+    said = capsys.readouterr()
+    assert _table(said.out) == [["done", f"{out}/a/done"], ["stuck", f"{out}/b/cut"], ["left", f"{out}/new"]]
+    assert f"{path}:3: {cut}/run.json: stages_done is 2" in said.err and "1 stuck, not launched" in said.out
+    assert launched == [Path(f"{out}/new")]
+
+
 def test_a_resumed_run_takes_the_commit_it_started_from_and_says_what_the_line_changed(plan, capsys):
     """Mutations caught: resuming with HEAD's code (two versions in one run), a run
     from an unknown commit resumed anyway, a changed line passed over in silence."""

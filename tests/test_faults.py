@@ -322,6 +322,33 @@ def test_a_failing_stage_is_recorded_and_keeps_the_last_checkpoint(trace_dir, tm
         assert steps == [(b, s) for b in range(3) for s in range(2)]
 
 
+# ---- a folder copied without its checkpoint ------------------------------------
+
+@pytest.mark.slow
+def test_resume_of_a_folder_without_its_stage_checkpoint_refuses_and_changes_nothing(trace_dir, tmp_path,
+                                                                                     monkeypatch, capsys):
+    """checkpoint*/ is git-ignored, so a run folder copied by git (a clone, the next
+    machine) arrives without it. With 2 stages recorded, --resume refuses in one line
+    and the folder stays as it was; it used to start again from stage 1 over the
+    recorded stages (mutation caught: the check in prepare.resumable dropped). With 1
+    stage recorded (a stop between stage 1's record and its checkpoint looks the same)
+    it still starts again and finishes (mutation caught: refusing from 1 stage)."""
+    run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, tmp_path / "runs"), at_stage=2)
+    results.remove_checkpoint(run_dir, results.CHECKPOINT_DIR)
+    before = _tree(run_dir)
+    capsys.readouterr()
+    assert run_cli("run", "--resume", run_dir, "--no-progress") == 2
+    err = _one_line(capsys)
+    assert f"{run_dir}/run.json: stages_done is 2" in err and "put checkpoint/ back" in err, err
+    assert _tree(run_dir) == before
+
+    run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, tmp_path / "one"), at_stage=1)
+    results.remove_checkpoint(run_dir, results.CHECKPOINT_DIR)
+    assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "complete" and record["resumes"][-1]["at_stage"] == 0
+
+
 # ---- an interrupt says what it leaves, and --resume does what it said ----------
 
 @pytest.mark.parametrize("at_stage, message", [

@@ -4,7 +4,10 @@ estimated hours.
 
 - A complete run is skipped; one with a record that is not complete (interrupted,
   failed, or running when its machine went away) is continued with `cl-bench run
-  --resume` (which loses at most the last checkpoint interval); one whose folder's
+  --resume` (which loses at most the last checkpoint interval), unless its folder
+  lacks the checkpoint of its finished stages (copied without the git-ignored
+  checkpoint folders: results.stranded), which is shown `stuck` and not launched,
+  since `run --resume` refuses it; one whose folder's
   lock is held, or whose Slurm job is still queued or running, is left alone (a
   local one holds one of --slots while it runs); the others are started.
 - Each run imports a clone of its commit (cl_bench/campaign/code.py): HEAD for a new
@@ -24,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from cl_bench import results
 from cl_bench.campaign import code as pinning
 from cl_bench.campaign import estimate, launch
 from cl_bench.campaign.plan import Entry, action, drift, is_running, planned, read_plan, recorded
@@ -51,7 +55,7 @@ def survey(plan: Path, entries: list[Entry], root: Path, args, native: bool):
     lines refused for their precision)."""
     timings = estimate.Timings(root / args.records, root)
     queued = launch.queued(root)
-    todo, refused, elsewhere, left_h, unknown, n_left = [], [], [], 0.0, 0, 0
+    todo, refused, elsewhere, left_h, unknown, n_left, n_stuck = [], [], [], 0.0, 0, 0, 0
     print(f"{'state':8s} {'hours':>7s}  run  (precision, code; estimate from)", flush=True)
     for entry in entries:
         try:
@@ -72,6 +76,9 @@ def survey(plan: Path, entries: list[Entry], root: Path, args, native: bool):
             asked = ((record["config"]["train"]["precision"], record["config"]["eval"]["precision"]) if record
                      else (config.train.precision, config.eval.precision))
             busy = is_running(entry.folder(root)) or str(entry.run_dir) in queued
+            why = None if busy or record is None else results.stranded(entry.folder(root), record.get("stages_done", 0))
+            if why:
+                print(f"{plan}:{entry.line}: {why}", file=sys.stderr, flush=True)
             if args.code:
                 code = args.code.resolve()
             elif args.status and record is None:  # only a label: a dirty tree is no reason to stop
@@ -82,23 +89,26 @@ def survey(plan: Path, entries: list[Entry], root: Path, args, native: bool):
             raise UserError(f"{plan}:{entry.line}: {e}") from None
         if not native and ("bf16" in asked or ("auto" in asked and not args.allow_fp32)):
             refused.append(str(entry.line))
-        state = "running" if busy else "left"
+        state = "running" if busy else "stuck" if why else "left"
         label = code[:12] if isinstance(code, str) else str(code)
         shown = "      ?" if hours is None else f"{'~' if source.startswith('scaled') else ' '}{hours:6.2f}"
-        print(f"{state:8s} {shown}  {entry.run_dir}  ({what}, precision {'/'.join(asked)}, code {label}; "
+        how = "not launched: its stage checkpoint is missing (above)" if why else what
+        print(f"{state:8s} {shown}  {entry.run_dir}  ({how}, precision {'/'.join(asked)}, code {label}; "
               f"{source})", flush=True)
         n_left += 1
+        n_stuck += bool(why)
         if hours is None:
             unknown += 1
         else:
             left_h += hours
-        if not busy:
+        if not busy and not why:
             todo.append((entry, what, code))
         elif is_running(entry.folder(root)):
             elsewhere.append(entry.folder(root))
     slots = args.slots
     print(f"total left: {n_left} runs, {left_h:.1f} h at one thread a run ({left_h / slots:.1f} h on {slots} "
-          f"slot{'s' if slots != 1 else ''}){f'; {unknown} without an estimate' if unknown else ''}", flush=True)
+          f"slot{'s' if slots != 1 else ''}){f'; {unknown} without an estimate' if unknown else ''}"
+          f"{f'; {n_stuck} stuck, not launched' if n_stuck else ''}", flush=True)
     return todo, refused, elsewhere
 
 
