@@ -183,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "through submitit, settings from --slurm")
     p.add_argument("--slots", type=int, default=2, help="local: runs at a time (default 2)")
     p.add_argument("--threads", type=int, default=1, help="local: OMP threads a run (default 1)")
+    p.add_argument("--hours", type=float, metavar="H",
+                   help="local: start a run only while its estimated hours fit in what is left of H hours "
+                        "from now (a session, an allocation); the rest wait for the next campaign, and a "
+                        "run without an estimate is not started")
     p.add_argument("--slurm", type=Path, metavar="YAML",
                    help="Slurm settings: partition, time_min, signal_delay_s, cpus_per_task, gpus_per_node, "
                         "mem_gb, max_requeues, executor (slurm|local|debug), additional")

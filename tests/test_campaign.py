@@ -19,7 +19,7 @@ import pytest
 from cl_bench import results
 from cl_bench.campaign import code as pinning
 from cl_bench.campaign import estimate, launch
-from cl_bench.campaign.plan import read_plan, recorded
+from cl_bench.campaign.plan import Entry, read_plan, recorded
 from cl_bench.errors import UserError
 from helpers import interrupted_run, run_cli, smoke_args
 
@@ -132,6 +132,45 @@ def test_a_run_folder_without_its_stage_checkpoint_is_shown_stuck_and_not_launch
     assert _table(said.out) == [["done", f"{out}/a/done"], ["stuck", f"{out}/b/cut"], ["left", f"{out}/new"]]
     assert f"{path}:3: {cut}/run.json: stages_done is 2" in said.err and "1 stuck, not launched" in said.out
     assert launched == [Path(f"{out}/new")]
+
+
+def _budgeted_run(monkeypatch, tmp_path, hours_per_real_s: float) -> None:
+    """run_local over a plan of four runs, a (0.5 h), b (5 h), c (0.4 h), d (no estimate),
+    with --hours 1 and one slot; each run a 0.3 s process; the campaign's clock runs
+    `hours_per_real_s` hours a real second."""
+    real = launch.clock
+    t0 = real()
+    monkeypatch.setattr(launch, "clock", lambda: t0 + (real() - t0) * hours_per_real_s * 3600)
+    monkeypatch.setattr(launch, "command", lambda entry, resume: [sys.executable, "-c", "import time; time.sleep(0.3)"])
+    todo = [(Entry(Path(f"out/{n}"), ["--profile", "smoke"], i), "start", tmp_path) for i, n in enumerate("abcd")]
+    budget = launch.Budget(1.0, {Path("out/a"): 0.5, Path("out/b"): 5.0, Path("out/c"): 0.4, Path("out/d"): None})
+    assert launch.run_local(todo, tmp_path, 1, 1, budget=budget) == 0
+
+
+def test_hours_starts_a_run_only_while_its_estimate_fits_what_is_left(tmp_path, monkeypatch, capsys):
+    """--hours 1, one slot: a (0.5 h) starts; b (5 h) and d (no estimate) never do;
+    c (0.4 h), later in the plan, takes the slot after a while it still fits, and not
+    once a's run has used up the rest. Mutations caught: the budget ignored (b starts),
+    the time already spent not counted (c starts on the fast clock), a run that does
+    not fit blocking the later ones (c never starts on the still clock)."""
+    for per_s, started in ((0.0, ["out/a", "out/c"]), (3.0, ["out/a"])):
+        _budgeted_run(monkeypatch, tmp_path, per_s)
+        said = capsys.readouterr().out.splitlines()
+        assert [line.split()[2] for line in said if line.split()[1] == "start"] == started, said
+        skipped = {line.split()[3]: line for line in said if " not started " in line}
+        assert set(skipped) == {"out/a", "out/b", "out/c", "out/d"} - set(started)
+        assert "(needs 5.00 h, " in skipped["out/b"] and "(no estimate, " in skipped["out/d"]
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--hours", "0"], "--hours 0.0 must be a number of hours > 0"),
+    (["--hours", "2", "--launcher", "slurm", "--slurm", "x.yaml"], "--hours is for the local launcher"),
+])
+def test_bad_hours_are_one_message(plan, capsys, flags, says):
+    path, _ = plan
+    assert campaign(str(path), *flags, "--dry-run") == 2
+    assert says in capsys.readouterr().err
 
 
 def test_a_resumed_run_takes_the_commit_it_started_from_and_says_what_the_line_changed(plan, capsys):

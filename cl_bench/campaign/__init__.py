@@ -16,6 +16,10 @@ estimated hours.
   eval precision is `auto` is refused (there it computes in fp32, whose scores cannot
   be pooled with the committed bf16 records; `--allow-fp32` runs it so), and one asking
   for `bf16` is refused (emulated, far slower than fp32).
+- `--hours H` (local): a run is started only while its estimated hours fit in what
+  is left of H hours from the campaign's start, the plan's later runs tried when an
+  earlier one does not fit; the rest wait for the next campaign (a session's or an
+  allocation's window, so no run starts that the window's end would cut).
 - `--dry-run` and `--status` print each run's state and hours (cl_bench/campaign/
   estimate.py: from the committed records' per-step and per-token timings of the same
   method and step shape; `~` marks a scaled estimate) and the total left.
@@ -52,10 +56,12 @@ def _hours(entry: Entry, record: dict | None, config, method_args, timings: esti
 
 def survey(plan: Path, entries: list[Entry], root: Path, args, native: bool):
     """Per entry: its state and what to launch; prints the table; returns (to launch,
-    lines refused for their precision)."""
+    lines refused for their precision, folders running elsewhere, hours left per run
+    folder as the plan names it)."""
     timings = estimate.Timings(root / args.records, root)
     queued = launch.queued(root)
     todo, refused, elsewhere, left_h, unknown, n_left, n_stuck = [], [], [], 0.0, 0, 0, 0
+    estimates: dict[Path, float | None] = {}
     print(f"{'state':8s} {'hours':>7s}  run  (precision, code; estimate from)", flush=True)
     for entry in entries:
         try:
@@ -97,6 +103,7 @@ def survey(plan: Path, entries: list[Entry], root: Path, args, native: bool):
               f"{source})", flush=True)
         n_left += 1
         n_stuck += bool(why)
+        estimates[entry.run_dir] = hours
         if hours is None:
             unknown += 1
         else:
@@ -109,15 +116,20 @@ def survey(plan: Path, entries: list[Entry], root: Path, args, native: bool):
     print(f"total left: {n_left} runs, {left_h:.1f} h at one thread a run ({left_h / slots:.1f} h on {slots} "
           f"slot{'s' if slots != 1 else ''}){f'; {unknown} without an estimate' if unknown else ''}"
           f"{f'; {n_stuck} stuck, not launched' if n_stuck else ''}", flush=True)
-    return todo, refused, elsewhere
+    return todo, refused, elsewhere, estimates
 
 
 def main(args) -> int:
+    start = launch.clock()  # --hours counts from here
     root = (args.root or pinning.repository_root(Path.cwd())).resolve()
     if not args.plan.is_file():
         raise UserError(f"{args.plan}: no such plan file")
     if args.slots < 1 or args.threads < 1:
         raise UserError("--slots and --threads must be at least 1")
+    if args.hours is not None and not args.hours > 0:
+        raise UserError(f"--hours {args.hours} must be a number of hours > 0, e.g. --hours 2.5")
+    if args.hours is not None and args.launcher == "slurm":
+        raise UserError("--hours is for the local launcher; on Slurm each job has its own limit (time_min)")
     from cl_bench.precision import native_bf16
 
     entries = read_plan(args.plan)
@@ -125,7 +137,7 @@ def main(args) -> int:
     if args.launcher == "slurm" and settings is None:
         raise UserError("--launcher slurm needs --slurm FILE: the Slurm settings (partition, time_min, "
                         "cpus_per_task, gpus_per_node; see `cl-bench campaign --help`)")
-    todo, refused, elsewhere = survey(args.plan, entries, root, args, native_bf16(torch.device("cpu")))
+    todo, refused, elsewhere, estimates = survey(args.plan, entries, root, args, native_bf16(torch.device("cpu")))
     if args.status:
         return 0
     if refused:
@@ -141,4 +153,5 @@ def main(args) -> int:
     todo = [(entry, what, paths[c]) for entry, what, c in todo]
     if settings is not None:
         return launch.run_slurm(todo, root, settings, args.wait)
-    return launch.run_local(todo, root, args.slots, args.threads, elsewhere)
+    budget = None if args.hours is None else launch.Budget(args.hours, estimates, start)
+    return launch.run_local(todo, root, args.slots, args.threads, elsewhere, budget)

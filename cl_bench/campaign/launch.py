@@ -45,21 +45,54 @@ def _now() -> str:
     return time.strftime("%H:%M:%S")
 
 
+@dataclass
+class Budget:
+    """--hours: runs start only while their estimated hours left (`estimates`, by the
+    plan's run folder; None: no estimate) fit in what is left of `hours` from when
+    the campaign started."""
+
+    hours: float
+    estimates: dict[Path, float | None]
+    start: float = field(default_factory=lambda: clock())
+
+    def left(self) -> float:
+        return self.hours - (clock() - self.start) / 3600
+
+    def fits(self, entry: Entry) -> bool:
+        need = self.estimates.get(entry.run_dir)
+        return need is not None and need <= self.left()
+
+    def why_not(self, entry: Entry) -> str:
+        need = self.estimates.get(entry.run_dir)
+        return ("no estimate" if need is None else f"needs {need:.2f} h") + f", {max(self.left(), 0):.2f} h left"
+
+
+def clock() -> float:
+    return time.monotonic()
+
+
 def run_local(todo: list[tuple[Entry, str, Path]], root: Path, slots: int, threads: int,
-              elsewhere: list[Path] = ()) -> int:
+              elsewhere: list[Path] = (), budget: Budget | None = None) -> int:
     """Run (entry, action, code) `slots` at a time; 0 when every run finished, 1 when
     one failed, 130 on Ctrl-C (each run saves what it has and stops; run the same
     command again to continue). `elsewhere`: folders of the plan's runs that another
-    process is running (an earlier campaign's): each holds a slot while its lock is held."""
+    process is running (an earlier campaign's): each holds a slot while its lock is held.
+    With `budget`, the first run in plan order that fits what is left of it takes a
+    free slot; once none does and none of these runs is running, the rest are listed
+    and left for the next campaign."""
     logs = root / ".campaign" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     running: dict[subprocess.Popen, tuple[Entry, float]] = {}
     failed = 0
+
+    def startable() -> int | None:
+        return next((i for i, (entry, _, _) in enumerate(todo) if budget is None or budget.fits(entry)), None)
+
     try:
-        while todo or running:
+        while running or startable() is not None:
             busy = sum(1 for folder in elsewhere if is_running(folder))
-            while todo and len(running) + busy < slots:
-                entry, what, code = todo.pop(0)
+            while len(running) + busy < slots and (i := startable()) is not None:
+                entry, what, code = todo.pop(i)
                 with open(logs / f"{entry.run_id}.log", "a", encoding="utf-8") as log:
                     # its own session: a Ctrl-C reaches the campaign, which passes one SIGINT on
                     proc = subprocess.Popen(command(entry, what == "resume"), cwd=root,
@@ -80,6 +113,9 @@ def run_local(todo: list[tuple[Entry, str, Path]], root: Path, slots: int, threa
             proc.wait()
         print("interrupted: run the same command again to continue", file=sys.stderr)
         return 130
+    for entry, _, _ in todo:  # only with a budget: none of them fits what is left
+        print(f"{_now()} not started {entry.run_dir} ({budget.why_not(entry)} of --hours {budget.hours:g}); "
+              f"the next campaign takes it", flush=True)
     return 1 if failed else 0
 
 
