@@ -173,6 +173,46 @@ def test_bad_hours_are_one_message(plan, capsys, flags, says):
     assert says in capsys.readouterr().err
 
 
+def test_two_campaigns_started_together_make_the_clone_once(tmp_path, monkeypatch):
+    """Two campaigns started at once (one a plan) both need HEAD's clone: the second
+    waits for the first's and uses it, and no half-made clone is left. Mutation
+    caught: the lock dropped (the second clones beside the first, and its rename onto
+    the finished clone fails; before the lock it removed the first's clone midway).
+    A clone that cannot be made is one message and leaves nothing."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "pyproject.toml").write_text('[tool.setuptools.package-dir]\npkg = "pkg"\n')
+    for argv in (["init", "--quiet"], ["add", "pyproject.toml"],
+                 ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "--quiet", "-m", "one"]):
+        pinning.git(repo, *argv)
+    head = pinning.git(repo, "rev-parse", "HEAD")
+    real = pinning.link_packages
+
+    def slow(code):  # the first clone is still being made when the second campaign looks
+        time.sleep(1.0)
+        real(code)
+
+    monkeypatch.setattr(pinning, "link_packages", slow)
+    made, errors = [], []
+
+    def one():
+        try:
+            made.append(pinning.checkout(repo, head))
+        except Exception as e:  # noqa: BLE001 - any failure fails the test below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and made == [repo / ".campaign" / f"code-{head[:12]}"] * 2, errors
+    assert sorted(p.name for p in (repo / ".campaign").iterdir() if p.is_dir()) == [f"code-{head[:12]}"]
+    with pytest.raises(UserError, match="cannot make the clone of 000000000000"):  # one line, nothing left
+        pinning.checkout(repo, "0" * 40)
+    assert sorted(p.name for p in (repo / ".campaign").iterdir() if p.is_dir()) == [f"code-{head[:12]}"]
+
+
 def test_a_resumed_run_takes_the_commit_it_started_from_and_says_what_the_line_changed(plan, capsys):
     """Mutations caught: resuming with HEAD's code (two versions in one run), a run
     from an unknown commit resumed anyway, a changed line passed over in silence."""

@@ -7,8 +7,11 @@ mixes two versions of the code.
 """
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 from cl_bench.campaign.plan import Entry
@@ -60,13 +63,24 @@ def link_packages(code: Path) -> None:
 
 def checkout(root: Path, commit: str) -> Path:
     """A clone of the repository at `commit` with its packages linked, made once under
-    .campaign/ (built beside and renamed, so a failed clone leaves nothing behind)."""
+    .campaign/ (built in a folder of its own and renamed, so a failed clone leaves
+    nothing behind; under a lock, so that two campaigns started together make it once)."""
     code = root / ".campaign" / f"code-{commit[:12]}"
-    if not code.is_dir():
-        partial = code.with_name(code.name + ".partial")
-        subprocess.run(["rm", "-rf", str(partial)], check=True)
-        subprocess.run(["git", "clone", "--quiet", "--no-checkout", str(root), str(partial)], check=True)
-        git(partial, "checkout", "--quiet", commit)
-        link_packages(partial)
-        partial.rename(code)
+    code.parent.mkdir(parents=True, exist_ok=True)
+    with open(code.with_name(code.name + ".lock"), "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another campaign making this clone: wait for it, then use it
+        if code.is_dir():
+            return code
+        partial = Path(tempfile.mkdtemp(prefix=f"{code.name}.partial-", dir=code.parent))
+        try:
+            subprocess.run(["git", "clone", "--quiet", "--no-checkout", str(root), str(partial)], check=True,
+                           capture_output=True, text=True)
+            git(partial, "checkout", "--quiet", commit)
+            link_packages(partial)
+            partial.rename(code)
+        except (subprocess.CalledProcessError, OSError) as e:
+            shutil.rmtree(partial, ignore_errors=True)
+            said = (getattr(e, "stderr", None) or str(e)).strip().splitlines() or [type(e).__name__]
+            raise UserError(f"{code}: cannot make the clone of {commit[:12]} ({said[-1]}); nothing was "
+                            f"started: fix that, then run the campaign again") from None
     return code
