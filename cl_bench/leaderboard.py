@@ -391,13 +391,16 @@ def format_forms_table(df: pd.DataFrame, fmt: str = "md") -> str:
 
 WINNER_SCORES = (("last_acc", "Last Acc"), ("bwt", "BWT"), ("learn_gain", "Gain"))
 # A row that did not learn its tasks has nothing to forget: on these scores only the rows
-# whose Gain is above 0 at 95% (or that have no Gain: no zero-shot row) are ranked.
+# whose Gain is above 0 at 95% (without an interval: its mean above 0; without a Gain, no
+# zero-shot row, any row) are ranked.
 NEEDS_LEARNING = ("bwt",)
 
 
 def _learned(df: pd.DataFrame, i: int) -> bool:
-    lo = df.loc[i, "Gain lo"]
-    return pd.isna(lo) or lo > 0
+    lo, mean = df.loc[i, "Gain lo"], df.loc[i, "Gain mean"]
+    if pd.notna(lo):
+        return lo > 0
+    return pd.isna(mean) or mean > 0
 
 
 def build_winners_table(runs: list[RunRecord]) -> pd.DataFrame:
@@ -424,7 +427,11 @@ def build_winners_table(runs: list[RunRecord]) -> pd.DataFrame:
             scored = [i for i in members if pd.notna(df.loc[i, f"{name} mean"])]
             idle = [i for i in scored if key in NEEDS_LEARNING and not _learned(df, i)]
             scored = [i for i in scored if i not in idle]
+            unranked = f"not ranked (Gain not above 0): {', '.join(labels[i] for i in idle)}" if idle else ""
             if not scored:
+                if idle:  # every row idle: said, not dropped
+                    rows.append({"On": name, "Runs": where, "Best": MISSING, "Value": MISSING,
+                                 "Not distinguishable from it": unranked})
                 continue
             best = max(scored, key=lambda i: df.loc[i, f"{name} mean"])
             marks = {i: _distinct(reps[i], reps[best], entries[i], entries[best], key) for i in scored if i != best}
@@ -433,7 +440,7 @@ def build_winners_table(runs: list[RunRecord]) -> pd.DataFrame:
             rows.append({"On": name, "Runs": where, "Best": labels[best], "Value": _score_cell(
                 *(df.loc[best, f"{name} {x}"] for x in ("mean", "std", "lo", "hi"))),
                          "Not distinguishable from it": tied + (f"; not compared: {', '.join(apart)}" if apart else "")
-                         + (f"; not ranked (Gain not above 0): {', '.join(labels[i] for i in idle)}" if idle else "")})
+                         + (f"; {unranked}" if unranked else "")})
         for col, shown in (("Added", humanise), ("Wall time (min)", lambda v: f"{v:.1f} min")):
             costs = [i for i in members if pd.notna(df.loc[i, col])]
             if costs:

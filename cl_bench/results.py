@@ -273,7 +273,7 @@ def stranded(run_dir: Path, stages_done: int) -> str | None:
     the checkpoint was removed; starting again would overwrite the recorded stages."""
     if stages_done < 2 or has_checkpoint(run_dir):
         return None
-    return (f"{run_dir / RUN_FILE}: stages_done is {stages_done}, but {run_dir} holds no {CHECKPOINT_DIR}/ "
+    return (f"{run_dir / RUN_FILE}: stages_done is {stages_done}, but {run_dir} holds no {CHECKPOINT_DIR}/state.pt "
             f"(copied without its git-ignored checkpoint folders, or removed), and --resume would start again "
             f"from stage 1 over the {stages_done} recorded stages: put {CHECKPOINT_DIR}/ back beside "
             f"{RUN_FILE}, or move the folder away and start the run again")

@@ -44,6 +44,7 @@ def execute(run: Run, keep_checkpoint: bool = False, stop: signals.Stop | None =
     the caller's, which may have fired while the run was being prepared)."""
     rec = run.record
     run.global_step = sum(s.steps for s in rec.timing.stages)
+    complete = False  # the record on disk says so
     with signals.interrupt_on_signals(stop) as stop:
         try:
             run.metrics = make_logger(run.config.log, run.run_dir, run.config.to_dict(), run.backend.is_main)
@@ -71,11 +72,18 @@ def execute(run: Run, keep_checkpoint: bool = False, stop: signals.Stop | None =
                 rec.intervals = run_intervals(rec, run.predictions)
             rec.status = "complete"
             run_state.write_files(run)
+            complete = True
             if not keep_checkpoint and run.backend.is_main:
                 for name in (results.CHECKPOINT_DIR, results.STEP_CHECKPOINT_DIR):
                     results.remove_checkpoint(run.run_dir, name)
             run.backend.barrier()  # no rank returns before rank 0 has written the run
         except BaseException as exc:
+            if complete:  # cut while its checkpoints were removed: the record stays complete
+                if isinstance(exc, KeyboardInterrupt) or stop.fired:
+                    log.warning("%s: stopped while removing the complete run's checkpoints; the run is complete "
+                                "(remove what is left of %s*/ by hand)", run.run_dir, results.CHECKPOINT_DIR)
+                    return rec
+                raise
             rec.status = "interrupted" if isinstance(exc, KeyboardInterrupt) or stop.fired else "failed"
             rec.error = f"{type(exc).__name__}: {exc}"
             try:

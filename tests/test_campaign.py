@@ -119,7 +119,8 @@ def test_a_run_folder_without_its_stage_checkpoint_is_shown_stuck_and_not_launch
     """A record of 2 finished stages whose checkpoint/ is gone (git ignores it, so a
     clone or the next machine has none): `stuck`, the reason on stderr naming the plan
     line, and not handed to the launcher, which would have it refused. Mutation caught:
-    the stranded check dropped from the survey (shown `left` and launched)."""
+    the stranded check dropped from the survey (shown `left` and launched), the
+    campaign ending 0 as if nothing needed a hand, the stuck run counted as left."""
     path, out = plan
     cut = out / "b" / "cut"
     record = json.loads((cut / "run.json").read_text())
@@ -127,30 +128,32 @@ def test_a_run_folder_without_its_stage_checkpoint_is_shown_stuck_and_not_launch
     results.remove_checkpoint(cut, results.CHECKPOINT_DIR)
     launched = []
     monkeypatch.setattr(launch, "run_local", lambda todo, *rest: launched.extend(e.run_dir for e, _, _ in todo) or 0)
-    assert campaign(str(path), "--code", str(ROOT)) == 0
+    assert campaign(str(path), "--code", str(ROOT)) == 1  # the others launched; this one needs a hand
     said = capsys.readouterr()
     assert _table(said.out) == [["done", f"{out}/a/done"], ["stuck", f"{out}/b/cut"], ["left", f"{out}/new"]]
-    assert f"{path}:3: {cut}/run.json: stages_done is 2" in said.err and "1 stuck, not launched" in said.out
-    assert launched == [Path(f"{out}/new")]
+    assert f"{path}:3: {cut}/run.json: stages_done is 2" in said.err and "total left: 1 runs" in said.out
+    assert "and 1 stuck, not launched" in said.out and launched == [Path(f"{out}/new")]
 
 
 def _budgeted_run(monkeypatch, tmp_path, hours_per_real_s: float) -> None:
-    """run_local over a plan of four runs, a (0.5 h), b (5 h), c (0.4 h), d (no estimate),
+    """run_local over a plan of five runs, a (0.5 h), b (5 h), c (0.4 h), d (no estimate), e (0.9 h),
     with --hours 1 and one slot; each run a 0.3 s process; the campaign's clock runs
     `hours_per_real_s` hours a real second."""
     real = launch.clock
     t0 = real()
     monkeypatch.setattr(launch, "clock", lambda: t0 + (real() - t0) * hours_per_real_s * 3600)
     monkeypatch.setattr(launch, "command", lambda entry, resume: [sys.executable, "-c", "import time; time.sleep(0.3)"])
-    todo = [(Entry(Path(f"out/{n}"), ["--profile", "smoke"], i), "start", tmp_path) for i, n in enumerate("abcd")]
-    budget = launch.Budget(1.0, {Path("out/a"): 0.5, Path("out/b"): 5.0, Path("out/c"): 0.4, Path("out/d"): None})
+    todo = [(Entry(Path(f"out/{n}"), ["--profile", "smoke"], i), "start", tmp_path) for i, n in enumerate("abcde")]
+    budget = launch.Budget(1.0, {Path("out/a"): 0.5, Path("out/b"): 5.0, Path("out/c"): 0.4, Path("out/d"): None,
+                                 Path("out/e"): 0.9})
     assert launch.run_local(todo, tmp_path, 1, 1, budget=budget) == 0
 
 
 def test_hours_starts_a_run_only_while_its_estimate_fits_what_is_left(tmp_path, monkeypatch, capsys):
-    """--hours 1, one slot: a (0.5 h) starts; b (5 h) and d (no estimate) never do;
-    c (0.4 h), later in the plan, takes the slot after a while it still fits, and not
-    once a's run has used up the rest. Mutations caught: the budget ignored (b starts),
+    """--hours 1, one slot: a (0.5 h) starts; b (5 h), d (no estimate) and e (0.9 h,
+    over the hour with the margin) never do; c (0.4 h), later in the plan, takes the
+    slot after a while it still fits, and not once a's run has used up the rest.
+    Mutations caught: the budget ignored (b starts), the margin dropped (e starts),
     the time already spent not counted (c starts on the fast clock), a run that does
     not fit blocking the later ones (c never starts on the still clock)."""
     for per_s, started in ((0.0, ["out/a", "out/c"]), (3.0, ["out/a"])):
@@ -158,13 +161,13 @@ def test_hours_starts_a_run_only_while_its_estimate_fits_what_is_left(tmp_path, 
         said = capsys.readouterr().out.splitlines()
         assert [line.split()[2] for line in said if line.split()[1] == "start"] == started, said
         skipped = {line.split()[3]: line for line in said if " not started " in line}
-        assert set(skipped) == {"out/a", "out/b", "out/c", "out/d"} - set(started)
-        assert "(needs 5.00 h, " in skipped["out/b"] and "(no estimate, " in skipped["out/d"]
+        assert set(skipped) == {"out/a", "out/b", "out/c", "out/d", "out/e"} - set(started)
+        assert "(needs 5.00 h, 5.75 h with the margin; " in skipped["out/b"] and "(no estimate; " in skipped["out/d"]
         monkeypatch.undo()
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--hours", "0"], "--hours 0.0 must be a number of hours > 0"),
+    (["--hours", "0"], "--hours 0 must be a number of hours > 0"),
     (["--hours", "2", "--launcher", "slurm", "--slurm", "x.yaml"], "--hours is for the local launcher"),
 ])
 def test_bad_hours_are_one_message(plan, capsys, flags, says):
@@ -178,7 +181,8 @@ def test_two_campaigns_started_together_make_the_clone_once(tmp_path, monkeypatc
     waits for the first's and uses it, and no half-made clone is left. Mutation
     caught: the lock dropped (the second clones beside the first, and its rename onto
     the finished clone fails; before the lock it removed the first's clone midway).
-    A clone that cannot be made is one message and leaves nothing."""
+    A killed attempt's half-made clone is removed; a clone that cannot be made is one
+    message and leaves nothing."""
     repo = tmp_path / "repo"
     repo.mkdir()
     (repo / "pyproject.toml").write_text('[tool.setuptools.package-dir]\npkg = "pkg"\n')
@@ -193,6 +197,7 @@ def test_two_campaigns_started_together_make_the_clone_once(tmp_path, monkeypatc
         real(code)
 
     monkeypatch.setattr(pinning, "link_packages", slow)
+    (repo / ".campaign" / f"code-{head[:12]}.partial-killed").mkdir(parents=True)  # an attempt killed midway
     made, errors = [], []
 
     def one():

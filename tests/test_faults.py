@@ -322,6 +322,30 @@ def test_a_failing_stage_is_recorded_and_keeps_the_last_checkpoint(trace_dir, tm
         assert steps == [(b, s) for b in range(3) for s in range(2)]
 
 
+# ---- a stop while a complete run removes its checkpoints ----------------------
+
+@pytest.mark.slow
+def test_a_stop_while_a_complete_run_removes_its_checkpoints_leaves_it_complete(trace_dir, tmp_path, monkeypatch,
+                                                                                caplog):
+    """The record says complete before the checkpoints go; a Ctrl-C (or the machine's
+    window ending) during their removal must not rewrite it as interrupted: with
+    every stage done and the checkpoint half gone, it could then never be resumed
+    nor ranked. Mutation caught: the guard in sequencer.execute dropped (exit 130,
+    status interrupted)."""
+    real = results.remove_checkpoint
+
+    def cut(run_dir, name):
+        if name == results.CHECKPOINT_DIR:  # only the complete run's removal (a stage's end removes checkpoint-step/)
+            raise KeyboardInterrupt
+        real(run_dir, name)
+
+    monkeypatch.setattr(results, "remove_checkpoint", cut)
+    assert run_cli(*smoke_args(trace_dir, tmp_path / "runs", "--run-id", "r")) == 0
+    record = json.loads((tmp_path / "runs" / "r" / "run.json").read_text())
+    assert record["status"] == "complete" and "error" not in record
+    assert "stopped while removing the complete run's checkpoints" in caplog.text
+
+
 # ---- a folder copied without its checkpoint ------------------------------------
 
 @pytest.mark.slow

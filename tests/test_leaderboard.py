@@ -373,7 +373,10 @@ def test_winners_view_does_not_rank_on_bwt_a_row_that_learned_nothing(tmp_path):
     """idle scores its zero-shot answers at every stage (Gain 0, BWT 0); learns lifts
     each task from 0 to 100 and then forgets a quarter of task 0 (BWT -25). On BWT
     learns is the best and idle is named as not ranked; on Last Acc idle still is
-    ranked. Mutation caught: the Gain filter dropped (idle, BWT 0, wins BWT)."""
+    ranked. With idle alone, the BWT line stays, naming it, with and without its
+    predictions (no interval: the Gain's mean decides). Mutations caught: the Gain
+    filter dropped (idle, BWT 0, wins BWT); the line dropped when every row is idle;
+    a row without a Gain interval ranked whatever its Gain."""
     from cl_bench.leaderboard import build_winners_table
     from test_intervals import make_record, write_run
 
@@ -391,6 +394,14 @@ def test_winners_view_does_not_rank_on_bwt_a_row_that_learned_nothing(tmp_path):
     assert df.loc["BWT", "Best"] == "seqft" and df.loc["BWT", "Value"].startswith("-25.0 [")
     assert df.loc["BWT", "Not distinguishable from it"].endswith("; not ranked (Gain not above 0): care")
     assert df.loc["Last Acc", "Best"] == "seqft" and "not ranked" not in df.loc["Last Acc", "Not distinguishable from it"]
+
+    (tmp_path / "learns" / "run.json").unlink()  # every row idle: the BWT line says so, Best "–"
+    alone = build_winners_table(load_runs(tmp_path)).set_index("On")
+    assert alone.loc["BWT", "Best"] == "–" and alone.loc["BWT", "Not distinguishable from it"] == (
+        "not ranked (Gain not above 0): care")
+    (tmp_path / "idle" / "predictions.jsonl").unlink()  # no interval: its Gain's mean, 0, decides
+    alone = build_winners_table(load_runs(tmp_path)).set_index("On")
+    assert alone.loc["BWT", "Best"] == "–"
 
 
 def test_winners_view_names_the_best_row_and_those_not_told_apart_from_it(tmp_path):

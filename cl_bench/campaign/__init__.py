@@ -6,8 +6,9 @@ estimated hours.
   failed, or running when its machine went away) is continued with `cl-bench run
   --resume` (which loses at most the last checkpoint interval), unless its folder
   lacks the checkpoint of its finished stages (copied without the git-ignored
-  checkpoint folders: results.stranded), which is shown `stuck` and not launched,
-  since `run --resume` refuses it; one whose folder's
+  checkpoint folders: results.stranded), which is shown `stuck`, left out of the
+  total and not launched, since `run --resume` refuses it (the campaign then exits
+  1 once the others end); one whose folder's
   lock is held, or whose Slurm job is still queued or running, is left alone (a
   local one holds one of --slots while it runs); the others are started.
 - Each run imports a clone of its commit (cl_bench/campaign/code.py): HEAD for a new
@@ -87,36 +88,40 @@ def survey(plan: Path, entries: list[Entry], root: Path, args, native: bool):
                 print(f"{plan}:{entry.line}: {why}", file=sys.stderr, flush=True)
             if args.code:
                 code = args.code.resolve()
+            elif why:  # not launched: its commit does not matter
+                code = "–"
             elif args.status and record is None:  # only a label: a dirty tree is no reason to stop
                 code = pinning.git(root, "rev-parse", "HEAD")
             else:
                 code = pinning.commit_of(entry, record, root)
         except UserError as e:
             raise UserError(f"{plan}:{entry.line}: {e}") from None
-        if not native and ("bf16" in asked or ("auto" in asked and not args.allow_fp32)):
-            refused.append(str(entry.line))
         state = "running" if busy else "stuck" if why else "left"
         label = code[:12] if isinstance(code, str) else str(code)
         shown = "      ?" if hours is None else f"{'~' if source.startswith('scaled') else ' '}{hours:6.2f}"
         how = "not launched: its stage checkpoint is missing (above)" if why else what
         print(f"{state:8s} {shown}  {entry.run_dir}  ({how}, precision {'/'.join(asked)}, code {label}; "
               f"{source})", flush=True)
-        n_left += 1
-        n_stuck += bool(why)
         estimates[entry.run_dir] = hours
+        if why:  # apart from the total: nothing runs it until someone acts
+            n_stuck += 1
+            continue
+        if not native and ("bf16" in asked or ("auto" in asked and not args.allow_fp32)):
+            refused.append(str(entry.line))
+        n_left += 1
         if hours is None:
             unknown += 1
         else:
             left_h += hours
-        if not busy and not why:
+        if not busy:
             todo.append((entry, what, code))
         elif is_running(entry.folder(root)):
             elsewhere.append(entry.folder(root))
     slots = args.slots
     print(f"total left: {n_left} runs, {left_h:.1f} h at one thread a run ({left_h / slots:.1f} h on {slots} "
           f"slot{'s' if slots != 1 else ''}){f'; {unknown} without an estimate' if unknown else ''}"
-          f"{f'; {n_stuck} stuck, not launched' if n_stuck else ''}", flush=True)
-    return todo, refused, elsewhere, estimates
+          f"{f'; and {n_stuck} stuck, not launched' if n_stuck else ''}", flush=True)
+    return todo, refused, elsewhere, estimates, n_stuck
 
 
 def main(args) -> int:
@@ -127,7 +132,7 @@ def main(args) -> int:
     if args.slots < 1 or args.threads < 1:
         raise UserError("--slots and --threads must be at least 1")
     if args.hours is not None and not args.hours > 0:
-        raise UserError(f"--hours {args.hours} must be a number of hours > 0, e.g. --hours 2.5")
+        raise UserError(f"--hours {args.hours:g} must be a number of hours > 0, e.g. --hours 2.5")
     if args.hours is not None and args.launcher == "slurm":
         raise UserError("--hours is for the local launcher; on Slurm each job has its own limit (time_min)")
     from cl_bench.precision import native_bf16
@@ -137,7 +142,8 @@ def main(args) -> int:
     if args.launcher == "slurm" and settings is None:
         raise UserError("--launcher slurm needs --slurm FILE: the Slurm settings (partition, time_min, "
                         "cpus_per_task, gpus_per_node; see `cl-bench campaign --help`)")
-    todo, refused, elsewhere, estimates = survey(args.plan, entries, root, args, native_bf16(torch.device("cpu")))
+    todo, refused, elsewhere, estimates, stuck = survey(args.plan, entries, root, args,
+                                                        native_bf16(torch.device("cpu")))
     if args.status:
         return 0
     if refused:
@@ -146,7 +152,7 @@ def main(args) -> int:
                         f"committed bf16 records (--allow-fp32 runs it so), and bf16 is emulated; run the campaign "
                         f"on such a CPU")
     if args.dry_run or not todo:
-        return 0
+        return 1 if stuck and not args.dry_run else 0
     if args.code:
         pinning.link_packages(args.code.resolve())
     paths = {c: c if args.code else pinning.checkout(root, c) for _, _, c in todo}
@@ -154,4 +160,4 @@ def main(args) -> int:
     if settings is not None:
         return launch.run_slurm(todo, root, settings, args.wait)
     budget = None if args.hours is None else launch.Budget(args.hours, estimates, start)
-    return launch.run_local(todo, root, args.slots, args.threads, elsewhere, budget)
+    return max(launch.run_local(todo, root, args.slots, args.threads, elsewhere, budget), 1 if stuck else 0)

@@ -71,6 +71,8 @@ def checkout(root: Path, commit: str) -> Path:
         fcntl.flock(held, fcntl.LOCK_EX)  # another campaign making this clone: wait for it, then use it
         if code.is_dir():
             return code
+        for stale in code.parent.glob(f"{code.name}.partial-*"):  # an earlier attempt's, killed midway
+            shutil.rmtree(stale, ignore_errors=True)
         partial = Path(tempfile.mkdtemp(prefix=f"{code.name}.partial-", dir=code.parent))
         try:
             subprocess.run(["git", "clone", "--quiet", "--no-checkout", str(root), str(partial)], check=True,
@@ -78,9 +80,11 @@ def checkout(root: Path, commit: str) -> Path:
             git(partial, "checkout", "--quiet", commit)
             link_packages(partial)
             partial.rename(code)
-        except (subprocess.CalledProcessError, OSError) as e:
+        except BaseException as e:
             shutil.rmtree(partial, ignore_errors=True)
-            said = (getattr(e, "stderr", None) or str(e)).strip().splitlines() or [type(e).__name__]
+            if not isinstance(e, (subprocess.CalledProcessError, OSError, KeyError, ValueError)):
+                raise  # Ctrl-C and the like, with nothing left behind
+            said = (getattr(e, "stderr", None) or f"{type(e).__name__}: {e}").strip().splitlines()
             raise UserError(f"{code}: cannot make the clone of {commit[:12]} ({said[-1]}); nothing was "
                             f"started: fix that, then run the campaign again") from None
     return code

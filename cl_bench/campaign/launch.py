@@ -48,8 +48,12 @@ def _now() -> str:
 @dataclass
 class Budget:
     """--hours: runs start only while their estimated hours left (`estimates`, by the
-    plan's run folder; None: no estimate) fit in what is left of `hours` from when
-    the campaign started."""
+    plan's run folder; None: no estimate), with MARGIN to spare (the estimates leave
+    out loading the model, and a scaled one is a guess), fit in what is left of
+    `hours` from when the campaign started: a run the window's end cuts loses its
+    git-ignored checkpoints, so the whole run."""
+
+    MARGIN = 1.15
 
     hours: float
     estimates: dict[Path, float | None]
@@ -60,11 +64,12 @@ class Budget:
 
     def fits(self, entry: Entry) -> bool:
         need = self.estimates.get(entry.run_dir)
-        return need is not None and need <= self.left()
+        return need is not None and need * self.MARGIN <= self.left()
 
     def why_not(self, entry: Entry) -> str:
         need = self.estimates.get(entry.run_dir)
-        return ("no estimate" if need is None else f"needs {need:.2f} h") + f", {max(self.left(), 0):.2f} h left"
+        return (("no estimate" if need is None else f"needs {need:.2f} h, {need * self.MARGIN:.2f} h with the margin")
+                + f"; {max(self.left(), 0):.2f} h left")
 
 
 def clock() -> float:
@@ -73,8 +78,8 @@ def clock() -> float:
 
 def run_local(todo: list[tuple[Entry, str, Path]], root: Path, slots: int, threads: int,
               elsewhere: list[Path] = (), budget: Budget | None = None) -> int:
-    """Run (entry, action, code) `slots` at a time; 0 when every run finished, 1 when
-    one failed, 130 on Ctrl-C (each run saves what it has and stops; run the same
+    """Run (entry, action, code) `slots` at a time; 0 when every run it started
+    finished (with `budget`, some may be left unstarted, and listed), 1 when one failed, 130 on Ctrl-C (each run saves what it has and stops; run the same
     command again to continue). `elsewhere`: folders of the plan's runs that another
     process is running (an earlier campaign's): each holds a slot while its lock is held.
     With `budget`, the first run in plan order that fits what is left of it takes a
