@@ -17,8 +17,8 @@ estimated hours.
   eval precision is `auto` is refused (there it computes in fp32, whose scores cannot
   be pooled with the committed bf16 records; `--allow-fp32` runs it so), and one asking
   for `bf16` is refused (emulated, far slower than fp32).
-- `--hours H` (local): a run is started only while its estimated hours fit in what
-  is left of H hours from the campaign's start, the plan's later runs tried when an
+- `--hours H` (local): a run is started only while its estimated hours, with 15% to
+  spare, fit in what is left of H hours from the campaign's start, the plan's later runs tried when an
   earlier one does not fit; the rest wait for the next campaign (a session's or an
   allocation's window, so no run starts that the window's end would cut).
 - `--dry-run` and `--status` print each run's state and hours (cl_bench/campaign/
@@ -102,10 +102,10 @@ def survey(plan: Path, entries: list[Entry], root: Path, args, native: bool):
         how = "not launched: its stage checkpoint is missing (above)" if why else what
         print(f"{state:8s} {shown}  {entry.run_dir}  ({how}, precision {'/'.join(asked)}, code {label}; "
               f"{source})", flush=True)
-        estimates[entry.run_dir] = hours
         if why:  # apart from the total: nothing runs it until someone acts
             n_stuck += 1
             continue
+        estimates[entry.run_dir] = hours
         if not native and ("bf16" in asked or ("auto" in asked and not args.allow_fp32)):
             refused.append(str(entry.line))
         n_left += 1
@@ -158,6 +158,8 @@ def main(args) -> int:
     paths = {c: c if args.code else pinning.checkout(root, c) for _, _, c in todo}
     todo = [(entry, what, paths[c]) for entry, what, c in todo]
     if settings is not None:
-        return launch.run_slurm(todo, root, settings, args.wait)
-    budget = None if args.hours is None else launch.Budget(args.hours, estimates, start)
-    return max(launch.run_local(todo, root, args.slots, args.threads, elsewhere, budget), 1 if stuck else 0)
+        ended = launch.run_slurm(todo, root, settings, args.wait)
+    else:
+        budget = None if args.hours is None else launch.Budget(args.hours, estimates, start)
+        ended = launch.run_local(todo, root, args.slots, args.threads, elsewhere, budget)
+    return max(ended, 1 if stuck else 0)  # a stuck run needs a hand

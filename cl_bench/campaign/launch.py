@@ -79,7 +79,8 @@ def clock() -> float:
 def run_local(todo: list[tuple[Entry, str, Path]], root: Path, slots: int, threads: int,
               elsewhere: list[Path] = (), budget: Budget | None = None) -> int:
     """Run (entry, action, code) `slots` at a time; 0 when every run it started
-    finished (with `budget`, some may be left unstarted, and listed), 1 when one failed, 130 on Ctrl-C (each run saves what it has and stops; run the same
+    finished (with `budget`, some may be left unstarted, and listed), 1 when one
+    failed, 130 on Ctrl-C (each run saves what it has and stops; run the same
     command again to continue). `elsewhere`: folders of the plan's runs that another
     process is running (an earlier campaign's): each holds a slot while its lock is held.
     With `budget`, the first run in plan order that fits what is left of it takes a
