@@ -11,7 +11,10 @@ and W_down: [d, H] is replaced in place by
   came from (its slot, a buffer of its group). Other initialisers:
   cl_bench/models/expert_init.py.
 - router: one row (and bias) per expert, softmax over all E experts in fp32,
-  top-k, weights renormalised to sum to 1 (no noise, no capacity limit).
+  top-k, weights renormalised to sum to 1 (no noise, no capacity limit). With
+  k = E (dense routing: top_k = experts_per_task over one group, cluster-upcycle's
+  teacher) every expert sees every token, and each group runs as one SwiGLU of
+  width n*h with its experts' neurons scaled by their weights: no dispatch.
 - shared path, two modes (`shared`):
   "swap" (default): the frozen dense MLP with the routed experts' slots taken
   out in proportion to their weights,
@@ -212,10 +215,19 @@ class UpcycledMoE(nn.Module):
 
     def experts_forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                         extra: ExpertGroup | None = None) -> torch.Tensor:
-        """sum_j weights[:, j] * expert_{indices[:, j]}(x), grouped by expert: the
-        N*k assignments are sorted by expert, each expert runs once on its own
-        tokens (experts without tokens are skipped), results are added back.
+        """sum_j weights[:, j] * expert_{indices[:, j]}(x): `every_expert` where k = E
+        (every expert on every token: dense routing, nothing to dispatch), else `dispatch`.
         x: (N, d); weights, indices: (N, k) -> (N, d); indices count `extra` after the layer's."""
+        groups = list(self.groups) if extra is None else [*self.groups, extra]
+        if indices.shape[1] == sum(len(g) for g in groups):
+            return self.every_expert(x, torch.zeros_like(weights).scatter_(1, indices, weights), groups)
+        return self.dispatch(x, weights, indices, extra)
+
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                 extra: ExpertGroup | None = None) -> torch.Tensor:
+        """`experts_forward` grouped by expert: the N*k assignments are sorted by expert,
+        each expert runs once on its own tokens (experts without tokens are skipped),
+        results are added back."""
         experts = self.experts(extra)
         N, k = indices.shape
         flat = indices.reshape(-1)  # (N*k,)
@@ -233,6 +245,24 @@ class UpcycledMoE(nn.Module):
             return torch.zeros_like(x)
         ys = torch.cat(outs) * weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)  # (N*k, d)
         return torch.zeros_like(x).index_add(0, token, ys)
+
+    def every_expert(self, x: torch.Tensor, weights: torch.Tensor, groups: list[ExpertGroup]) -> torch.Tensor:
+        """sum_e weights[:, e] * expert_e(x) over every expert of `groups` (in router-row
+        order), one SwiGLU of width n*h a group: expert j's neurons [j*h, (j+1)*h) scaled by
+        its weight before the down projection (linear, so the same sum), three products a
+        group instead of three an expert and no sort, gather or scatter of N*E rows.
+        x: (N, d); weights: (N, E) -> (N, d)."""
+        out, start = torch.zeros_like(x), 0
+        for g in groups:
+            n = len(g)
+            gate, up, down = (precision.cast_once(w) for w in (g.gate, g.up, g.down))
+            gate, up = gate.reshape(n * self.h, self.d), up.reshape(n * self.h, self.d)  # (n*h, d) views
+            down = down.transpose(0, 1).reshape(self.d, n * self.h)  # (d, n*h): column j*h + i is down[j, :, i]
+            inter = self.dense.act_fn(F.linear(x, gate)) * F.linear(x, up)  # (N, n*h)
+            scale = weights[:, start:start + n].repeat_interleave(self.h, dim=1)  # (N, n*h)
+            out = out + F.linear(inter * scale.to(inter.dtype), down)
+            start += n
+        return out
 
     def forward(self, x: torch.Tensor, extra: ExpertGroup | None = None,
                 gates: torch.Tensor | None = None) -> torch.Tensor:

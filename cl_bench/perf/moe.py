@@ -9,7 +9,12 @@ tokens spread over all E experts); the routed scale is 1 so every path carries
 gradient. Because dispatch groups tokens by expert, the routed work is 2
 experts per token whatever E is: the time at E = 48 should stay within 1.25x of
 E = 8. The dense MLP alone is timed too, to show the routed share of the layer.
-Repeats are interleaved over E and the median is reported.
+Dense routing (top-k = E, every expert on every token: cluster-upcycle's EESD
+teacher) is timed as that teacher runs, a forward without gradient at the
+training precision (bf16 autocast on a CPU with native bf16), through
+`every_expert` (one SwiGLU a group) against `dispatch` (sorted by expert). Its
+work grows with E, as E/K dense MLPs. Repeats are interleaved over E and the
+paths, and the median is reported.
 """
 from __future__ import annotations
 
@@ -20,10 +25,13 @@ import time
 import torch
 from torch import nn
 
+from cl_bench import precision
 from cl_bench.models.balancing import balancing_losses
 from cl_bench.models.moe import UpcycledMoE
 
 log = logging.getLogger(__name__)
+
+DENSE_PATHS = ("every_expert", "dispatch")
 
 
 def _dense_mlp(d: int, H: int) -> nn.Module:
@@ -50,6 +58,19 @@ def _fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
+def _dense_routing(layer: UpcycledMoE, x: torch.Tensor, autocast: bool, path: str) -> float:
+    """Seconds of a no-gradient forward with every expert routed, through `path`."""
+    flat = x.reshape(-1, x.shape[-1])
+    t0 = time.perf_counter()
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        probs, weights, indices = layer.route(flat)
+        if path == "every_expert":
+            layer.every_expert(flat, probs, list(layer.groups))
+        else:
+            layer.dispatch(flat, weights, indices)
+    return time.perf_counter() - t0
+
+
 def moe_benchmark(d: int = 576, H: int = 1536, tokens: int = 4096, experts=(8, 16, 48), k: int = 2,
                   repeats: int = 5, all_trainable: bool = False) -> dict:
     """Median seconds of one forward+backward per expert count, and ratios to the first."""
@@ -66,6 +87,19 @@ def moe_benchmark(d: int = 576, H: int = 1536, tokens: int = 4096, experts=(8, 1
         for E, layer in layers.items():
             times[str(E)].append(_fwd_bwd(layer, x, grad))
             layer.zero_grad(set_to_none=True)
+    autocast = precision.resolve("auto", torch.device("cpu")) == "bf16"
+    dense_routing = {f"{E} {path}": [] for E in experts for path in DENSE_PATHS}
+    for _ in range(repeats):
+        for E, layer in layers.items():
+            routed, layer.k = layer.k, E
+            for path in DENSE_PATHS:
+                dense_routing[f"{E} {path}"].append(_dense_routing(layer, x, autocast, path))
+            layer.k = routed
+    dense_median = {key: statistics.median(v) for key, v in dense_routing.items()}
+    dense_speedup = {str(E): dense_median[f"{E} dispatch"] / dense_median[f"{E} every_expert"] for E in experts}
+    for E in experts:
+        log.info("dense routing, E=%d: every_expert %.3fs, dispatch %.3fs (x%.2f)", E,
+                 dense_median[f"{E} every_expert"], dense_median[f"{E} dispatch"], dense_speedup[str(E)])
     median = {key: statistics.median(v) for key, v in times.items()}
     base = str(experts[0])
     ratio = {str(E): median[str(E)] / median[base] for E in experts}
@@ -78,6 +112,8 @@ def moe_benchmark(d: int = 576, H: int = 1536, tokens: int = 4096, experts=(8, 1
             "repeats": repeats, "all_trainable": all_trainable, "seconds": times, "median_s": median, "ratio_vs_first": ratio,
             "routed_s": routed, "routed_ratio_vs_first": routed_ratio,
             "within_1_25x": ratio[str(experts[-1])] <= 1.25,
+            "dense_routing": {"precision": "bf16" if autocast else "fp32", "seconds": dense_routing,
+                              "median_s": dense_median, "dispatch_over_every_expert": dense_speedup},
             "torch_threads": torch.get_num_threads()}
 
 

@@ -83,6 +83,48 @@ def test_dispatch_matches_running_every_expert_on_every_token(dense):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_dense_routing_runs_every_expert_as_the_dispatch_would(dense):
+    """k = E (every expert on every token, here over 3 distinct groups and an extra
+    one): the one-product-a-group path gives the naive sum and its gradients.
+    Mutations caught: the weights left out; down's columns taken without the
+    transpose (expert j's neurons meet another expert's down rows); the k = E branch
+    removed (the dispatch runs)."""
+    layer = moe.UpcycledMoE(copy.deepcopy(dense), k=4 * K)
+    for seed in range(4):
+        layer.add_group(random_experts(seed), router_std=1.0)
+    extra = layer.groups.pop(3)  # routed after the layer's own 24
+    x1 = tokens(40).requires_grad_()
+    x2 = x1.detach().clone().requires_grad_()
+    _, weights, indices = layer.route(x1.detach(), extra, torch.ones(K))
+    assert indices.shape == (40, 4 * K)
+    weights = weights.detach().requires_grad_()
+    calls = []
+    layer.dispatch = lambda *a: calls.append(a)  # experts_forward must not dispatch at k = E
+    out = layer.experts_forward(x1, weights, indices, extra)
+    del layer.dispatch
+    assert not calls
+    ref = torch.zeros_like(x2)
+    for e, (gate, up, down) in enumerate(layer.experts(extra)):
+        w = (weights * (indices == e)).sum(dim=1, keepdim=True)
+        ref = ref + w * swiglu(x2, gate, up, down)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer.dispatch(x1, weights, indices, extra), ref, rtol=1e-5, atol=1e-6)
+    grad = torch.randn_like(out)
+    params = [p for g in [*layer.groups, extra] for p in (g.gate, g.up, g.down)]
+    got = torch.autograd.grad(out, [x1, weights, *params], grad)
+    want = torch.autograd.grad(ref, [x2, weights, *params], grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # the whole layer at k = E: the swapped dense path plus every expert at its probability
+    layer.groups.append(extra)
+    y = layer(x1.detach().unsqueeze(0))
+    probs, _, _ = layer.route(x1.detach())
+    naive = layer.swapped_dense(x1.detach(), probs, torch.arange(4 * K).expand(40, -1))
+    for e, (gate, up, down) in enumerate(layer.experts()):
+        naive = naive + probs[:, e:e + 1] * swiglu(x1.detach(), gate, up, down)
+    torch.testing.assert_close(y[0], naive, rtol=1e-5, atol=1e-6)
+
+
 def test_topk_weights_are_renormalised(dense):
     layer = moe.UpcycledMoE(dense, k=2)
     layer.add_group()
