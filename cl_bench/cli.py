@@ -1,35 +1,46 @@
-"""`cl-bench`: run | show | compare | list | leaderboard | site | analyze | score | params | perf.
+"""`cl-bench`: run | campaign | show | compare | claims | list | leaderboard | site | analyze | score | params | perf.
 
 Bad input raises UserError anywhere below; here it becomes one line on stderr
 and exit code 2 (a traceback only with --debug).
 """
 from __future__ import annotations
 
-import json
-import logging
 import os
-import shlex
+import signal
 import sys
-from pathlib import Path
 
-from cl_bench.cli_parser import RUN_CONFIG_FLAGS, build_parser, run_overrides
-from cl_bench.errors import UserError
+# As the `cl-bench` command (its console script, or `python -m cl_bench.cli`), SIGINT and
+# SIGTERM are only noted until main() takes over, so that a stop while the imports below
+# run ends the command as an interrupt (exit 130, one line), not with a traceback.
+_EARLY_SIGNALS: list[int] = []
+
+
+def _note_early(signum, frame) -> None:
+    _EARLY_SIGNALS.append(signum)
+
+
+if os.path.basename(sys.argv[0] if sys.argv else "") == "cl-bench" or __name__ == "__main__":
+    for _sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_sig, _note_early)
+
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import shlex  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from cl_bench import signals  # noqa: E402
+from cl_bench.cli_parser import RUN_CONFIG_FLAGS, build_parser, run_overrides  # noqa: E402
+from cl_bench.errors import UserError  # noqa: E402
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 
 def cmd_run(args) -> int:
-    from cl_bench import signals
-
-    # First, before the imports of torch and transformers (seconds, and transformers'
-    # lazy imports swallow a KeyboardInterrupt): from here a signal stops the run as
-    # an interrupt, and one that was swallowed is still seen (stop.check).
-    with signals.interrupt_on_signals() as stop:
-        return _run(args, stop)
-
-
-def _run(args, stop) -> int:
+    """`main` guards the whole command (args.stop): from its start a signal stops the run
+    as an interrupt, and one that transformers' lazy imports swallowed is still seen."""
+    stop = args.stop
     from cl_bench import config as cfg
     from cl_bench.prepare import prepare
     from cl_bench.report import format_matrix
@@ -299,8 +310,38 @@ COMMANDS = {"run": cmd_run, "campaign": cmd_campaign, "show": cmd_show, "compare
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    # `run` is guarded from here, before its flags are parsed and datasets, torch and
+    # transformers are imported (seconds), and a signal noted before (_EARLY_SIGNALS)
+    # stops it at once: a signal at any moment ends it with exit 130 and one line. (The
+    # first token naming a command is the command: only --debug and --local_rank=N
+    # come before it.)
+    command = next((a for a in argv if a in COMMANDS), None)
+    early = list(_EARLY_SIGNALS)
+    if command == "run":
+        guard = signals.interrupt_on_signals(signals.Stop(early))
+    else:
+        _default_handlers()
+        guard = contextlib.nullcontext()
+    with guard as stop:
+        try:
+            if early:
+                raise KeyboardInterrupt(signal.Signals(early[0]).name)
+            return _main(argv, stop)
+        except KeyboardInterrupt:
+            print("\ninterrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+
+
+def _default_handlers() -> None:
+    """Python's own SIGINT and SIGTERM handling back, where the early ones were installed."""
+    for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+        if signal.getsignal(sig) is _note_early:
+            signal.signal(sig, default)
+
+
+def _main(argv: list[str], stop: signals.Stop | None) -> int:
     args = build_parser().parse_args(argv)
-    args.argv = argv
+    args.argv, args.stop = argv, stop
     # recorded beside what the command writes; a launched rank records its launcher's
     args.command_line = os.environ.get("CL_BENCH_COMMAND") or shlex.join(
         ["cl-bench", *(a for a in argv if not a.startswith(("--local_rank", "--local-rank")))])
@@ -309,10 +350,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("transformers", "datasets", "urllib3", "filelock", "httpx", "absl"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
-    import datasets
-
-    datasets.disable_progress_bars()
     try:
+        import datasets
+
+        datasets.disable_progress_bars()
         return COMMANDS[args.command](args)
     except UserError as exc:
         if args.debug:
@@ -320,9 +361,6 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:  # every rank raises the same error; one says it
             print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-DESCRIPTION = "`cl-bench`: run | show | compare | claims | list | leaderboard | site | analyze | score | params | perf."
+DESCRIPTION = ("`cl-bench`: run | campaign | show | compare | claims | list | leaderboard | site | analyze | score | "
+               "params | perf.")
 
 
 def _kv(text: str) -> tuple[str, str]:

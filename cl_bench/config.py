@@ -153,9 +153,10 @@ class RunConfig:
         if cap is not None and cap < 1:
             raise UserError(f"eval.max_new_tokens_cap={cap} must be at least 1, or null for each task's own")
         rid = self.run_id
-        if rid is not None and (rid in ("", ".", "..") or "/" in rid or "\\" in rid or "\0" in rid):
-            raise UserError(f"run_id={rid!r} must be one plain folder name (no '/', not '.' or '..'); "
-                            f"use --output-dir for where run folders go")
+        if rid is not None and (rid in ("", ".", "..") or "/" in rid or "\\" in rid
+                                or any(not c.isprintable() for c in rid)):
+            raise UserError(f"run_id={rid!r} must be one plain folder name (no '/', no newline or other "
+                            f"control character, not '.' or '..'); use --output-dir for where run folders go")
         for where, value in (("train.precision", t.precision), ("eval.precision", self.eval.precision)):
             if value not in PRECISIONS:
                 raise UserError(f"{where}={value!r} must be one of {', '.join(PRECISIONS)}")
@@ -343,13 +344,39 @@ def build(raw: dict[str, Any], where: str) -> RunConfig:
     return config
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, line: int, within: str):
+        super().__init__(key)
+        self.key, self.line, self.within = key, line, within
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, refusing a mapping that names a key twice."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                parent = getattr(node, "cl_bench_name", None)
+                raise _DuplicateKey(key, key_node.start_mark.line + 1, f" in '{parent}'" if parent else "")
+            seen.add(key)
+        for key_node, value_node in node.value:  # name nested sections for the message
+            if isinstance(value_node, yaml.MappingNode):
+                value_node.cl_bench_name = self.construct_object(key_node, deep=True)
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text()
     except OSError as exc:
         raise UserError(f"{path}: cannot read the config file ({exc.strerror}); check the path") from None
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=_StrictLoader) or {}
+    except _DuplicateKey as exc:
+        raise UserError(f"{path}: line {exc.line}: '{exc.key}' is given twice{exc.within}; keep one "
+                        f"(YAML would keep the last silently)") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

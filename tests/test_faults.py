@@ -180,12 +180,19 @@ def _score_pooled(ctx):
     return ["score", "--task", "NumGLUE-cm", "--predictions", run_dir / "predictions.jsonl"], run_dir, None
 
 
+def _duplicate_key(ctx):
+    (ctx.tmp / "my.yaml").write_text("train:\n  epochs: 1\n  lr_schedule: constant\n  epochs: 2\n")
+    return smoke_args(ctx.trace, ctx.tmp / "runs", "--config", ctx.tmp / "my.yaml"), ctx.tmp, None
+
+
 REFUSED = [  # (case, setup, message)
     ("non-empty folder", lambda ctx: _folder_with(ctx, "notes.txt"), "folder exists and is not empty (notes.txt)"),
     ("leftover metrics", lambda ctx: _folder_with(ctx, "metrics.jsonl"), "a run starts only in an absent or empty"),
     ("run-id ..", _fresh("--run-id", ".."), "run_id='..' must be one plain folder name"),
     ("run-id a/b", _fresh("--run-id", "a/b"), "run_id='a/b' must be one plain folder name"),
     ("run-id absolute", _fresh("--run-id", "/tmp/x"), "run_id='/tmp/x' must be one plain folder name"),
+    ("run-id newline", _fresh("--run-id", "a\nb"), "run_id='a\\nb' must be one plain folder name (no '/', no newline"),
+    ("yaml duplicate key", _duplicate_key, "my.yaml: line 4: 'epochs' is given twice in 'train'; keep one"),
     ("locked, fresh start", _locked_fresh, "in use by another cl-bench process"),
     ("locked, resume", _locked_resume, "in use by another cl-bench process"),
     ("locked, resume before a record", _locked_starting, "in use by another cl-bench process"),

@@ -5,6 +5,10 @@
 - an interrupt that a finaliser swallows (`__del__`, run by the garbage collector) is
   not printed, and stops training at the next step and evaluation at the next batch
   (mutations caught: no unraisable hook; no check after a step, or after a batch);
+- `cl-bench run` stopped at any moment of its start (after its module is imported,
+  before main; while main parses flags and imports datasets, torch and transformers)
+  ends with exit 130 and "interrupted", no traceback (mutations caught: no early
+  handler; the guard installed only in cmd_run, after those imports);
 - `cl-bench run` stopped with SIGTERM (what kill and timeout send) records
   "interrupted" and resumes to the uninterrupted run's results;
 - `wait_forwarding`: the launcher's whole group gets the signal and the command
@@ -146,6 +150,30 @@ def _signal_in_stage_2(proc: subprocess.Popen, run_dir: Path, sig: int) -> tuple
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)
     return proc.returncode, out
+
+
+_STARTING = """
+import os, signal, sys, threading
+sig, delay = getattr(signal, sys.argv[1]), float(sys.argv[2])
+sys.argv = ["cl-bench", *sys.argv[3:]]  # as the console script runs it
+import cl_bench.cli as cli
+if delay < 0:  # between the import and main()
+    os.kill(os.getpid(), sig)
+else:
+    threading.Timer(delay, os.kill, (os.getpid(), sig)).start()
+sys.exit(cli.main())
+"""
+
+
+@pytest.mark.parametrize("sig, delay", [("SIGINT", -1), ("SIGTERM", -1), ("SIGINT", 0.0), ("SIGTERM", 0.0),
+                                        ("SIGTERM", 0.3), ("SIGINT", 1.0)])
+@pytest.mark.slow
+def test_a_signal_while_run_starts_ends_it_with_130_and_one_line(trace_dir, tmp_path, sig, delay):
+    argv = smoke_args(trace_dir, tmp_path / "runs", "--run-id", "r")
+    done = subprocess.run([sys.executable, "-c", _STARTING, sig, str(delay), *map(str, argv)], env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 130, (done.returncode, done.stderr[-3000:])
+    assert "Traceback" not in done.stderr and done.stderr.strip().splitlines()[-1] == "interrupted", done.stderr
 
 
 @pytest.mark.slow
