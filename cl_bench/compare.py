@@ -20,6 +20,7 @@ from tabulate import tabulate
 from cl_bench import results
 from cl_bench.analysis.depth import decision_agreement
 from cl_bench.errors import UserError
+from cl_bench.general.report import compare_general
 from cl_bench.intervals import SEED, SUMMARIES, ItemTable, point_summaries, replicates
 from cl_bench.metrics import bootstrap
 from cl_bench.record import RunRecord
@@ -87,9 +88,9 @@ def _final_scores(table: ItemTable, resamples: int) -> tuple[np.ndarray, np.ndar
 
 def compare(run_dirs: list[Path], resamples: int = bootstrap.RESAMPLES) -> dict[str, Any]:
     """{"baseline", "resamples", "comparisons": [{"run", "summaries": {name: {run,
-    baseline, diff, ci, p}}, "tasks": {task: {...}}, "decisions"?}]}: every run
+    baseline, diff, ci, p}}, "tasks": {task: {...}}, "general"?, "decisions"?}]}: every run
     against the first, paired over items; "tasks" holds each task's final score;
-    "decisions", where both runs decide per layer and expert (expand or recycle), how
+    "general", the final ΔLima where both runs probed the same Lima items; "decisions", where both runs decide per layer and expert (expand or recycle), how
     often they decide alike (analysis.depth.decision_agreement)."""
     if len(run_dirs) < 2:
         raise UserError("compare needs at least two run folders: the baseline first, then the others")
@@ -123,8 +124,9 @@ def compare(run_dirs: list[Path], resamples: int = bootstrap.RESAMPLES) -> dict[
                                **bootstrap.paired_difference(final_reps[:, j], base_final_reps[:, j],
                                                              float(final[j] - base_final[j]))}
         decisions = decision_agreement(rec.params, base_rec.params)
+        general = compare_general(rec.general, base_rec.general, resamples)
         out.append({"run": str(d), "method": rec.method, "summaries": rows, "tasks": tasks,
-                    **({"decisions": decisions} if decisions else {})})
+                    **({"general": general} if general else {}), **({"decisions": decisions} if decisions else {})})
     return {"baseline": str(run_dirs[0]), "baseline_method": base_rec.method, "resamples": resamples,
             "seed": SEED, "level": bootstrap.LEVEL, "comparisons": out}
 
@@ -134,12 +136,14 @@ def format_comparison(result: dict[str, Any]) -> str:
     for comp in result["comparisons"]:
         named = [(SUMMARY_NAMES[k], r) for k, r in comp["summaries"].items()]
         named += [(f"{task} (final)", r) for task, r in comp.get("tasks", {}).items()]
+        named += [(f"{name} (final, nats/token)", r) for name, r in comp.get("general", {}).items()]
         for name, r in named:
             ci = r["ci"]
             verdict = ("not distinguishable" if ci is None or ci[0] <= 0 <= ci[1]
                        else "higher" if r["diff"] > 0 else "lower")
-            rows.append([comp["run"], name, f"{r['run']:.1f}", f"{r['baseline']:.1f}",
-                         f"{r['diff']:+.1f}", "–" if ci is None else f"[{ci[0]:+.1f}, {ci[1]:+.1f}]",
+            k = 3 if "nats" in name else 1  # a loss in nats moves in the second decimal
+            rows.append([comp["run"], name, f"{r['run']:.{k}f}", f"{r['baseline']:.{k}f}",
+                         f"{r['diff']:+.{k}f}", "–" if ci is None else f"[{ci[0]:+.{k}f}, {ci[1]:+.{k}f}]",
                          "–" if r["p"] is None else f"{r['p']:.3f}", verdict])
     head = ["run", "summary", "run", "baseline", "difference", "95% interval", "p", "at 95%"]
     text = (f"baseline: {result['baseline']} ({result['baseline_method']}); paired bootstrap over test items, "

@@ -99,6 +99,14 @@ class ReplayConfig:
 
 
 @dataclass
+class GeneralConfig:
+    """General ability and instruction drift, measured in the run (cl_bench/general/)."""
+
+    lima: int = 0  # held-out Lima items whose mean answer NLL per token is recorded at the zero-shot point
+    #                and after every stage, with ΔLima (cl_bench/general/lima.py); 0: off
+
+
+@dataclass
 class DeepSpeedConfig:
     """The deepspeed backend (`backend: deepspeed`); ignored by `torch`. Batch sizes,
     accumulation and clipping come from `train`, the optimiser from the method."""
@@ -124,6 +132,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    general: GeneralConfig = field(default_factory=GeneralConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
     def __post_init__(self) -> None:
@@ -183,6 +192,8 @@ class RunConfig:
             raise UserError(f"replay.fraction={r.fraction} must be in (0, 1]")
         if r.per_task is not None and r.per_task < 1 or r.lima < 0:
             raise UserError("replay.per_task must be at least 1 (or null) and replay.lima at least 0")
+        if self.general.lima < 0:
+            raise UserError(f"general.lima={self.general.lima} must be >= 0 (0 turns the Lima probe off)")
         if self.backend not in ("torch", "deepspeed"):
             raise UserError(f"backend={self.backend!r} is not available; choose 'torch' or 'deepspeed'")
         if self.log not in LOG_KINDS:
@@ -314,7 +325,7 @@ def merge(base: dict, override: dict) -> dict:
 
 
 _SECTIONS = {"data": DataConfig, "train": TrainConfig, "eval": EvalConfig, "replay": ReplayConfig,
-             "deepspeed": DeepSpeedConfig}
+             "general": GeneralConfig, "deepspeed": DeepSpeedConfig}
 
 
 def build(raw: dict[str, Any], where: str) -> RunConfig:

@@ -25,6 +25,7 @@ from tabulate import tabulate
 from cl_bench import registry
 from cl_bench.compare import differences
 from cl_bench.errors import UserError
+from cl_bench.general.report import LIMA, LIMA_STATS, lima_cell, lima_group
 from cl_bench.intervals import ItemTable, point_summaries, replicates
 from cl_bench.metrics import bootstrap
 from cl_bench.record import RunRecord
@@ -247,7 +248,12 @@ def build_rows(runs: list[RunRecord]) -> tuple[pd.DataFrame, list[list[RunRecord
         table[col] = [None if i not in ranked or other is None or i == other
                       else _distinct(reps[i], reps[other], members[i], members[other], key)
                       for i in range(len(table))]
-    return table[COLUMNS], [[e.record for e in m] for m in members]
+    groups = [[e.record for e in m] for m in members]
+    lima = [lima_group(g) for g in groups]
+    if any(x["mean"] is not None for x in lima):  # only where runs have the Lima probe
+        for stat_ in LIMA_STATS:
+            table[f"{LIMA} {stat_}"] = [x[stat_] for x in lima]
+    return table[COLUMNS + [c for c in table.columns if c.startswith(LIMA)]], groups
 
 
 def humanise(n) -> str:
@@ -274,6 +280,7 @@ def display_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     """The headers and the formatted cells of every row (the Markdown and LaTeX tables', and the site's)."""
     headers = ["Method", "Model", "Profile", "Precision", "Tasks", "Runs"] + [stem for _, stem in SCORES]
     headers += MARKS + [col for _, col in PARAMS] + EXTRA + ["Wall time (min)"]
+    headers += [LIMA] if f"{LIMA} mean" in df.columns else []
     rows = []
     for rec, label in zip(df.to_dict("records"), _method_labels(df)):
         method = f"{label} (reference)" if rec["Reference"] else label
@@ -287,6 +294,8 @@ def display_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
                    _with_spread(f"{100 * rec['Expansion']:.0f}%", rec["Expansion std"], lambda s: f"{100 * s:.0f}"))
         wall = rec["Wall time (min)"]
         row.append(MISSING if pd.isna(wall) else f"{wall:.1f}")
+        if f"{LIMA} mean" in rec:
+            row.append(lima_cell(*(rec[f"{LIMA} {x}"] for x in LIMA_STATS)))
         rows.append(row)
     return headers, rows
 

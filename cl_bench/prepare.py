@@ -29,6 +29,7 @@ from cl_bench.config import RunConfig, build, check_per_task
 from cl_bench.data import Encoder
 from cl_bench.errors import UserError, did_you_mean
 from cl_bench.evaluation import majority_level
+from cl_bench.general.lima import LimaProbe
 from cl_bench.method import Method, MethodContext, Stage
 from cl_bench.models.loading import load
 from cl_bench.record import RunRecord, StageRecord
@@ -56,6 +57,7 @@ class Run:
     progress: bool = True
     probe: RepresentationProbe | None = None  # eval.cka_probe > 0
     routing: RoutingProbe | None = None  # eval.routing_probe > 0
+    lima: LimaProbe | None = None  # general.lima > 0
     lock: Any = None  # rank 0: the run folder's lock (results.lock_run), held until execute ends
     metrics: Any = None  # the per-step metric logger (cl_bench/metric_log.py), while execute runs
     global_step: int = 0  # optimiser steps so far over the whole run (the metric logger's x axis)
@@ -135,9 +137,11 @@ def _prepare_locked(config, resume_dir, run_dir, record, method_cls, method_args
         _check_same_data(record, tasks, resume_dir)
     replay = ReplayBuffer(config.replay, config.seed)
     sources = {t.name: t.train for t in tasks}
+    lima = LimaProbe.load(data_dir, config.general.lima) if config.general.lima else None
     if config.replay.lima:
         sources["Lima"] = load_split(data_dir, "Lima", "train")
-        replay.add_lima(sources["Lima"])
+        held_out = lima.indices if lima else set()  # the probe's items stay out of the buffer
+        replay.add_lima([e for e in sources["Lima"] if e.index not in held_out])
 
     torch.manual_seed(config.seed)
     device = backend.device
@@ -160,6 +164,7 @@ def _prepare_locked(config, resume_dir, run_dir, record, method_cls, method_args
         run.probe = RepresentationProbe(config.eval.cka_probe, config.eval.cka_probe_tokens)
     if config.eval.routing_probe:
         run.routing = RoutingProbe(config.eval.routing_probe)
+    run.lima = lima
     if resume_dir is not None and not restart:
         run_state.restore(run, command)
     else:  # validation, data, model load and method set-up, before the first evaluation

@@ -27,8 +27,8 @@ SCHEMA_VERSION = 2
 
 # Optional fields of RunRecord and Timing that the JSON leaves out while they are None
 # (the record gains them as the run goes: a resume, the intervals, an error).
-_OMITTED_WHEN_NONE = frozenset({"majority", "backend", "probes", "resumes", "intervals", "failed_at", "error",
-                                "total_s", "prepare_s", "zero_shot_s"})
+_OMITTED_WHEN_NONE = frozenset({"majority", "backend", "probes", "general", "resumes", "intervals", "failed_at",
+                                "error", "total_s", "prepare_s", "zero_shot_s"})
 
 
 class _Where:
@@ -234,6 +234,8 @@ class RunRecord:
         git_commit: of cl-bench ("+dirty" with local changes). stages_done.
     probes: eval.cka_probe's CKA, eval.routing_probe's routed-expert shares and JS
         divergences, and eval.sharpness's rows, by stage.
+    general: general ability and instruction drift (cl_bench/general/): "lima",
+        the Lima probe's points and ΔLima (general.lima).
     resumes: one {at_stage, command, backend} per --resume.
     intervals: cl_bench.intervals.run_intervals, once complete.
     failed_at: {stage, step} where a loss diverged. error: what stopped the run.
@@ -269,6 +271,7 @@ class RunRecord:
     git_commit: str | None = None
     stages_done: int = 0
     probes: dict[str, Any] | None = None
+    general: dict[str, Any] | None = None
     resumes: list[dict[str, Any]] | None = None
     intervals: dict[str, Any] | None = None
     failed_at: dict[str, Any] | None = None
@@ -324,6 +327,7 @@ class RunRecord:
             replay=g(data, "replay", dict), config=g(data, "config", dict), backend=g(data, "backend", dict),
             timing=timing, versions=g(data, "versions", dict, dict), git_commit=g(data, "git_commit", str),
             stages_done=g(data, "stages_done", int, 0), probes=g(data, "probes", dict),
+            general=g(data, "general", dict),
             resumes=g(data, "resumes", list), intervals=g(data, "intervals", dict),
             failed_at=g(data, "failed_at", dict), error=g(data, "error", str),
             source=Path(path) if path is not None else None)

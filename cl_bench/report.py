@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
+from cl_bench.general.report import format_general
 from cl_bench.record import RunRecord
 
 SUMMARY_NAMES = {"last_acc": "Last Acc", "stage_acc": "Stage Acc", "bwt": "BWT", "fwt": "FWT",
@@ -58,4 +59,7 @@ def format_matrix(record: RunRecord, intervals: dict | None = None) -> str:
     if majority:
         out.append("majority-class level (always the most frequent training answer): " + ", ".join(
             f"{t} {m['score']:.1f} ('{m['answer']}')" for t, m in majority.items()))
+    general = format_general(record.general, [s.label for s in record.stages])
+    if general:
+        out.append(general)
     return "\n".join(out)

@@ -25,6 +25,8 @@ from cl_bench.analysis.sharpness import expert_sharpness
 from cl_bench.data import collate, tokenize_train
 from cl_bench.errors import UserError
 from cl_bench.evaluation import evaluate_task
+from cl_bench.general.lima import ZERO_SHOT as LIMA_ZERO_SHOT
+from cl_bench.general.lima import measured
 from cl_bench.intervals import run_intervals
 from cl_bench.method import Phase, Stage, prune_optimizer
 from cl_bench.metric_log import make_logger
@@ -60,6 +62,9 @@ def execute(run: Run, keep_checkpoint: bool = False, stop: signals.Stop | None =
                     rec.task_metrics.append({"stage": results.ZERO_SHOT_STAGE, "task": run.tasks[j].name, **ev_j.details})
                     run.predictions.extend({"stage": results.ZERO_SHOT_STAGE, **row} for row in ev_j.rows)
                 rec.timing.zero_shot_s = round(time.perf_counter() - t0, 2)
+                run_state.write_files(run)
+            if run.lima is not None and not measured(rec.general, LIMA_ZERO_SHOT):
+                _lima(run, LIMA_ZERO_SHOT)
                 run_state.write_files(run)
             at = run_state.load_in_stage(run)
             for stage in run.stages[rec.stages_done:]:
@@ -283,6 +288,15 @@ def _probe(run: Run, stage: Stage, trained: list) -> None:
         probes.setdefault("sharpness", {})[str(stage.index)] = expert_sharpness(
             model, batch, ev.sharpness_iters, ev.sharpness_layers)
     run.record.probes = probes or None
+    if run.lima is not None:
+        _lima(run, str(stage.index))
+
+
+def _lima(run: Run, point: str) -> None:
+    """The Lima probe at `point` (a stage index, or the zero-shot point), in the evaluation's precision."""
+    model = run.method.model
+    with precision.evaluation(run.backend.eval_precision, run.backend.device, model):
+        run.record.general = run.lima.record(run.record.general, point, model, run.encoder)
 
 
 def peak_rss_mb() -> float:

@@ -1,0 +1,66 @@
+"""The Lima probe's cost beside a stage's evaluation, in one process on one machine.
+
+Loads the `cpu` profile's model and test subsets (paper6) and times, alternating
+`--repeats` times, (a) the evaluation after the last stage (every task of the order,
+as the `cpu` profile scores it then) and (b) the Lima probe with `--items` items
+(cl_bench/general/lima.py), both in `--precision` (fp32 where the CPU lacks native
+bf16). Prints one JSON object: the seconds of each repeat, their medians, and the
+ratio probe / evaluation. A ratio, not absolute seconds, is what carries to another
+machine (and only roughly across precisions).
+
+    PYTHONPATH=. OMP_NUM_THREADS=2 python scripts/perf_lima_probe.py --items 64 --repeats 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from cl_bench import precision
+from cl_bench.backends.torch_backend import TorchBackend
+from cl_bench.benchmarks.trace import load_benchmark, resolve_data_dir
+from cl_bench.config import resolve
+from cl_bench.data import Encoder
+from cl_bench.evaluation import evaluate_task
+from cl_bench.general.lima import LimaProbe
+from cl_bench.models.loading import load
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--items", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--precision", default="fp32")
+    args = parser.parse_args()
+    config = resolve("cpu", None, {"eval": {"precision": args.precision}})
+    d = config.data
+    tasks = load_benchmark(resolve_data_dir(None), d.order, d.n_train, d.n_test, config.seed, d.n_train_per_task,
+                           d.n_test_per_task, d.test_split)
+    loaded = load(config.model, config.seed, "cpu", progress=False)
+    encoder = Encoder.from_config(loaded.tokenizer, config.train)
+    backend = TorchBackend(config, torch.device("cpu"))
+    probe = LimaProbe.load(resolve_data_dir(None), args.items)
+    model = loaded.model
+    times: dict[str, list[float]] = {"evaluation": [], "probe": []}
+    for _ in range(args.repeats):
+        with precision.evaluation(backend.eval_precision, backend.device, model):
+            t0 = time.perf_counter()
+            for task in tasks:
+                evaluate_task(model, encoder, task, config.eval, None, backend.generate)
+            times["evaluation"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            probe.measure(model, encoder)
+            times["probe"].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(json.dumps({"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                      "precision": backend.eval_precision, "items": args.items,
+                      "test_items": sum(len(t.test) for t in tasks), "seconds": times, "median_s": med,
+                      "ratio_probe_to_evaluation": med["probe"] / med["evaluation"]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
