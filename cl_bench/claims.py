@@ -33,6 +33,11 @@ pools them: replicates over seeds and items, paired over the same test items):
   "deep layers expand more", does not hold for "shallow layers expand more".
   It takes no `against`.
 
+`follows_from` (optional): the input a verdict follows from by construction (e.g.
+"depth_prior=fixed" for deep-expand, where the search starts with deep layers
+biased to Expand). The verdict is still computed and shown, marked "follows from
+<input>, not a finding", so a reader never counts it as evidence.
+
 The differences shown are the runs' own (mean over seeds of each run's summary on
 its items), their intervals from the replicates.
 
@@ -53,7 +58,7 @@ from cl_bench.metrics import bootstrap
 
 TESTS = ("less-forgetting", "fewer-added", "ablation", "deep-expand")
 HOLDS, FAILS, UNCLEAR, MISSING = "holds", "does not hold", "not distinguishable", "not run yet"
-FIELDS = {"id", "says", "test", "runs", "against", "expect"}
+FIELDS = {"id", "says", "test", "runs", "against", "expect", "follows_from"}
 
 
 def load(path: Path) -> list[dict[str, Any]]:
@@ -88,6 +93,8 @@ def load(path: Path) -> list[dict[str, Any]]:
             value = claim.get(key)
             if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
                 raise UserError(f"{where}.{key}: give a list of run folders, e.g. [results/my-run]")
+        if "follows_from" in claim and (not isinstance(claim["follows_from"], str) or not claim["follows_from"]):
+            raise UserError(f"{where}.follows_from: name the input the verdict follows from, e.g. depth_prior=fixed")
         if "expect" in claim:
             expect = claim["expect"]
             if claim["test"] != "fewer-added":
@@ -245,6 +252,8 @@ def evaluate(path: Path, root: Path = Path(".")) -> list[dict[str, Any]]:
         if against:
             _comparable(runs, against)
         verdict, text, numbers = RUNNERS[claim["test"]](runs, against, claim)
+        if claim.get("follows_from"):
+            verdict = f"{verdict}; follows from {claim['follows_from']}, not a finding"
         out.append({**row, "verdict": verdict, "measured": text, "numbers": numbers})
     return out
 

@@ -71,6 +71,9 @@ class MethodContext:
     encoder: Encoder | None = None
     n_stages: int | None = None
     shapes_only: bool = False  # `cl-bench params`: no data, tokenizer or encoder, the model on the meta device
+    # the harness's replay buffer (cl_bench/replay.py), to read only: what it stores so
+    # far (`examples()`) and what it will store of a task (`chosen(task)`); None without one
+    replay: Any = None
 
     @classmethod
     def for_shapes(cls, n_stages: int) -> MethodContext:

@@ -148,7 +148,7 @@ def _prepare_locked(config, resume_dir, run_dir, record, method_cls, method_args
     loaded = load(config.model, config.seed, device, progress=progress and backend.is_main)
     encoder = Encoder.from_config(loaded.tokenizer, config.train)
     ctx = MethodContext(config=config, device=device, tokenizer=loaded.tokenizer, all_tasks=tasks,
-                        encoder=encoder)
+                        encoder=encoder, replay=replay)
     method = method_cls(method_args, ctx)
     method.setup(loaded.model)
     stages = method.plan(tasks)

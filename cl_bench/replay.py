@@ -35,9 +35,13 @@ class ReplayBuffer:
 
     def add_task(self, task) -> None:
         """Store a seeded sample of `task.train` (a TaskData)."""
+        self._add(task.name, self.chosen(task))
+
+    def chosen(self, task) -> list:
+        """The examples of `task.train` that `add_task` stores (a seeded sample)."""
         k = self.budget(len(task.train))
         chosen = sorted(random.Random(f"{self.seed}/replay/{task.name}").sample(range(len(task.train)), k))
-        self._add(task.name, [task.train[i] for i in chosen])
+        return [task.train[i] for i in chosen]
 
     def add_lima(self, examples: list) -> None:
         k = min(self.config.lima, len(examples))

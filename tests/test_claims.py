@@ -93,6 +93,14 @@ def test_deep_expand_pools_the_decision_maps_of_every_run(tmp_path):
     assert "every decision" not in mixed_text
 
 
+def test_a_verdict_that_follows_from_an_input_is_marked_and_not_a_finding(tmp_path):
+    """Mutation caught: follows_from accepted but ignored (the verdict would read "holds")."""
+    deep = [[0, 0]] * 10 + [[1, 0]] * 10 + [[1, 1]] * 10
+    runs = [run(tmp_path, "fixed", KEEPS, decisions=deep)]
+    (verdict, _), = verdicts(tmp_path, {"test": "deep-expand", "runs": runs, "follows_from": "depth_prior=fixed"})
+    assert verdict == "holds; follows from depth_prior=fixed, not a finding"
+
+
 def test_missing_or_unfinished_runs_are_not_run_yet_and_incomparable_runs_are_refused(tmp_path, capsys):
     done = run(tmp_path, "done", KEEPS)
     path = tmp_path / "runs" / "half" / "run.json"

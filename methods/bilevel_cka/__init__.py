@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cl_bench import precision
 from cl_bench.analysis.cka import linear_cka
 from cl_bench.errors import UserError
 from cl_bench.method import Method, MethodContext, Stage, lm_loss
@@ -52,6 +53,8 @@ from cl_bench.models.upcycling import grow_groups, lm_and_balancing, moe_setting
 from cl_bench.registry import register_method
 
 from .args import MASK_INITS, MASK_MODES, RANDOM_INIT_STD, BilevelCKAArgs
+from .guidance import (drift, expert_sensitivity, fixed_depth, guidance_record, guided_logits, layer_outputs,
+                       replay_batches, scale_over_layers, scale_per_layer)
 from .record import decisions_for_schedule, finalise, spread_decisions
 from .search import (CHECK_BATCHES, LayerFeatures, _Task, mask_schedule, no_update_error, outer_step,
                      reachable_mask_lr)
@@ -84,6 +87,10 @@ class BilevelCKA(Method):
         self._active: dict[int, list[int]] = {}  # candidate layer -> expert index per slot
         self._task: _Task | None = None
         self._record: dict[str, Any] | None = None  # this stage's per-task record
+        # guided init, depth_prior=cka: the last task's drift per candidate layer and what it
+        # was measured on; the model before task 0 (its trainable values) while task 0 trains
+        self._drift: tuple[list[float], str] | None = None
+        self._pre0: dict[str, torch.Tensor] | None = None
 
     def setup(self, model: nn.Module) -> None:
         self.model = model
@@ -94,6 +101,7 @@ class BilevelCKA(Method):
         self._candidates = _layers(a.candidate_layers, list(range(n)), n, "candidate_layers")
         self._cka_layers = _layers(a.cka_layers, list(range(n - math.ceil(n / 3), n)), n, "cka_layers")
         self._features = LayerFeatures(model, self._cka_layers, a.cka_max_tokens)
+        self._depth_features = LayerFeatures(model, self._candidates, a.cka_max_tokens)
         self._active = {i: list(range(a.experts_per_task)) for i in self._candidates}
 
     # ---- task start ------------------------------------------------------------
@@ -114,38 +122,90 @@ class BilevelCKA(Method):
         if stage.index == 0:  # task 0: plain upcycling
             grow_groups(self.model, 1, slice_experts, a.router_std)
             train_newest_group(self.model, a.train_shared)
+            if self._measures_drift():  # the model before task 0, for task 0's own drift (guidance.py)
+                self._pre0 = {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
             return
         n_steps = self.ctx.stage_steps(stage)
         every, updates, decay = mask_schedule(n_steps, a)
         if a.mask == "on" and updates == 0:
             raise no_update_error(stage, n_steps, a)
-        blocks = decoder_layers(self.model)
-        train_newest_group(self.model, a.train_shared, newest=False)  # only the clones (and s) train
         seed = 0 if self.ctx.shapes_only else self.ctx.config.seed
         generator = torch.Generator().manual_seed(
             random.Random(f"{seed}/bilevel-cka/{stage.index}").getrandbits(63))
         rows = torch.Generator().manual_seed(  # the clones' router rows: their own stream
             random.Random(f"{seed}/bilevel-cka/{stage.index}/rows").getrandbits(63))
-        nets = {}
-        for i in self._candidates:
-            nets[i] = blocks[i].mlp = _Supernet(blocks[i].mlp, self._active[i], a.router_std, rows)
-        clones = {id(p) for net in nets.values() for p in net.clones.parameters()}
-        snapshot = {n: p.detach().clone() for n, p in self.model.named_parameters()
-                    if p.requires_grad and id(p) not in clones}
-        logits = optimizer = mask_lr = init_gap = None
+        init = guidance = None
         if a.mask == "on":
             shape = (len(self._candidates), a.experts_per_task, 2)
             if a.mask_init == "random":
                 init = torch.randn(shape, generator=generator) * RANDOM_INIT_STD
+            elif a.mask_init == "guided":  # measured on the model before the task, before the supernets
+                init, guidance = self._guided_init(stage)
             else:
                 init = torch.zeros(shape)
                 init[..., 1] = math.log(a.init_expand_prob / (1 - a.init_expand_prob))
+        blocks = decoder_layers(self.model)
+        train_newest_group(self.model, a.train_shared, newest=False)  # only the clones (and s) train
+        nets = {}
+        for i in self._candidates:
+            nets[i] = blocks[i].mlp = _Supernet(blocks[i].mlp, self._active[i], a.router_std, rows, a.supernet)
+        clones = {id(p) for net in nets.values() for p in net.clones.parameters()}
+        snapshot = {n: p.detach().clone() for n, p in self.model.named_parameters()
+                    if p.requires_grad and id(p) not in clones}
+        logits = optimizer = mask_lr = init_gap = None
+        if init is not None:
             init_gap = float((init[..., 1] - init[..., 0]).abs().max())
-            mask_lr = reachable_mask_lr(updates, init_gap, a.mask_lr)
-            logits = nn.Parameter(init.to(device_of(self.model)))
+            mask_lr = reachable_mask_lr(updates, init_gap, a.mask_lr, a.mask_reach)
+            logits = nn.Parameter(init.to(device_of(self.model), copy=True))  # init stays the start
             optimizer = torch.optim.Adam([logits], lr=mask_lr)
         self._task = _Task(nets, snapshot, generator, n_steps, every, decay, logits, optimizer, a.tau0,
-                           mask_lr, init_gap)
+                           mask_lr, init_gap, init=init, guidance=guidance)
+
+    # ---- guided initialisation (guidance.py) -------------------------------------------
+    def _measures_drift(self) -> bool:
+        a = self.args
+        return (a.mask == "on" and a.mask_init == "guided" and a.depth_prior == "cka"
+                and not self.ctx.shapes_only and self.ctx.replay is not None)
+
+    def _autocast(self):
+        config, device = self.ctx.config, self.ctx.device
+        return precision.autocast(precision.resolve(config.train.precision, device), device)
+
+    def _probe_batches(self, examples: list, stage: Stage, what: str) -> list[dict]:
+        return replay_batches(self.ctx, examples, self.args.probe_batches,
+                              f"{self.ctx.config.seed}/bilevel-cka/{what}/{stage.index}")
+
+    def _guided_init(self, stage: Stage) -> tuple[torch.Tensor, dict]:
+        """The guided mask logits (L_c, K, 2) for task `stage` and their record: the
+        flatness of each active expert on the replay buffer (tasks before this one) and
+        the depth term (guidance.py)."""
+        a = self.args
+        examples = self.ctx.replay.examples() if self.ctx.replay is not None else []
+        batches = self._probe_batches(examples, stage, "flatness")
+        if batches:
+            raw = expert_sensitivity(self.model, self._candidates, self._active, batches, self._autocast)
+        else:  # no replay data (replay.per_task=0): no flatness information
+            raw = torch.zeros(len(self._candidates), a.experts_per_task)
+        s = scale_per_layer(raw)
+        measured = None
+        if a.depth_prior == "fixed":
+            depth, source = fixed_depth(self._candidates, len(decoder_layers(self.model))), "fixed: last third"
+        elif self._drift is not None:
+            measured, source = self._drift
+            depth = scale_over_layers(measured)
+        else:
+            depth, source = [0.0] * len(self._candidates), "none: no drift measured"
+        init = guided_logits(len(self._candidates), a.experts_per_task, a.init_expand_prob, s, depth,
+                             a.kappa_flat, a.kappa_depth)
+        n_rows = sum(len(b["input_ids"]) for b in batches)
+        return init, guidance_record(raw, s, measured, depth, source, n_rows)
+
+    def _measure_drift(self, stage: Stage, before: dict[int, torch.Tensor], batches: list[dict],
+                       source: str) -> None:
+        """Keep 1 - CKA per candidate layer between `before` and the model as it is now,
+        on `batches`, for the next task's depth term."""
+        after = layer_outputs(self.model, self._depth_features, batches, self._autocast)
+        self._drift = (drift(before, after), source)
 
     # ---- losses ----------------------------------------------------------------------
     def _masks(self, step: int) -> torch.Tensor:
@@ -238,13 +298,31 @@ class BilevelCKA(Method):
     # ---- task end -----------------------------------------------------------------------
     def after_task(self, stage: Stage) -> None:
         task = self._task
+        last = self.ctx.n_stages is not None and stage.index + 1 >= self.ctx.n_stages
         if task is None:
+            if self._pre0 is not None and not last:  # task 0's drift on its own replay items
+                examples = [e for t in stage.tasks for e in self.ctx.replay.chosen(t)]
+                batches = self._probe_batches(examples, stage, "drift")
+                if batches:
+                    before = layer_outputs(self.model, self._depth_features, batches, self._autocast, self._pre0)
+                    self._measure_drift(stage, before, batches, "task 0's replay items, before and after task 0")
+            self._pre0 = None
             return
         if task.logits is None:
             expand = torch.ones(len(self._candidates), self.args.experts_per_task, dtype=torch.bool)
         else:
             expand = (task.logits[..., 1] - task.logits[..., 0]).detach().cpu().sigmoid() > 0.5
+        batches = before = None
+        if self._measures_drift() and not last:
+            batches = self._probe_batches(self.ctx.replay.examples(), stage, "drift")
+            if batches:  # the model before this task: the supernets without clones, the snapshot
+                with task.pre_task():
+                    before = layer_outputs(self.model, self._depth_features, batches, self._autocast,
+                                           task.snapshot)
         self._finalise(expand)
+        if before is not None:
+            self._measure_drift(stage, before, batches, f"replay items of tasks 0..{stage.index - 1}, "
+                                                        f"before and after task {stage.index}")
 
     def _finalise(self, expand: torch.Tensor) -> None:
         """Expand where `expand` (L_c, K) is true, Recycle elsewhere; keep the stage's record."""
@@ -255,7 +333,8 @@ class BilevelCKA(Method):
     def state_dict(self) -> dict[str, Any]:
         if self._task is not None:  # inside a task (an in-stage checkpoint): its search so far
             return {"task": self._task.state_dict()}
-        return {"layout": group_sizes(self.model), "active": {i: list(v) for i, v in self._active.items()}}
+        return {"layout": group_sizes(self.model), "active": {i: list(v) for i, v in self._active.items()},
+                "drift": None if self._drift is None else list(self._drift)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "task" in state:  # before_task has built the task again (cl_bench/run_state.py)
@@ -264,6 +343,8 @@ class BilevelCKA(Method):
         rebuild(self.model, state["layout"], **moe_settings(self.args))
         train_newest_group(self.model, self.args.train_shared)
         self._active = {int(i): list(v) for i, v in state["active"].items()}
+        drift_ = state.get("drift")  # absent in checkpoints written before mask_init=guided
+        self._drift = None if drift_ is None else (list(drift_[0]), drift_[1])
 
     def param_report(self) -> dict[str, Any]:
         report = count(self.model)

@@ -10,7 +10,10 @@ tau_final, init_expand_prob, mask_lr (docs/methods/bilevel-cka.md, "Defaults").
 
 Differs from the paper/code:
 - cka_max_tokens and min_mask_updates are cl-bench's own (no value in METHODS.md);
-- candidate_layers defaults to every MoE layer (the code: 6 hard-coded layers of 16).
+- candidate_layers defaults to every MoE layer (the code: 6 hard-coded layers of 16);
+- depth_prior=cka measures the depth term (the code's fixed +1.0 on the last layers is
+  depth_prior=fixed); mask_reach raises mask_lr where a task has fewer updates than the
+  paper's ~78 (docs/methods/bilevel-cka.md, "Guided initialisation").
 """
 from __future__ import annotations
 
@@ -20,9 +23,14 @@ from cl_bench.errors import UserError
 from cl_bench.models.upcycling import MoEArgs
 
 MASK_MODES = ("on", "off")
-MASK_INITS = ("prior", "random")
+MASK_INITS = ("guided", "prior", "random")
+DEPTH_PRIORS = ("cka", "fixed")
+SUPERNETS = ("route", "mix")
 OUTER_SAMPLES = ("own", "shared")
 RANDOM_INIT_STD = 0.1  # mask_init=random: the paper code's MASK_OVERRIDE=random, N(0, 0.1)
+# The reach the paper's search has in a task: ~78 outer updates at mask_lr 0.01 move an
+# expand - recycle gap by at most 2 * 78 * 0.01 (bilevel-reference.md §2).
+PAPER_REACH = 2 * 78 * 0.01
 
 
 @dataclass
@@ -30,9 +38,21 @@ class BilevelCKAArgs(MoEArgs):
     # supernet and masks
     candidate_layers: list[int] | None = None  # decoder layers with a supernet; None: every MoE layer
     mask: str = "on"  # on: learned masks; off: every slot expands (ablation "CKA only")
-    mask_init: str = "prior"  # prior: p_expand = init_expand_prob; random: logits ~ N(0, 0.1^2)
+    # guided: the prior plus the flatness and depth terms (guidance.py); prior: every slot
+    # p_expand = init_expand_prob (the "uniform init" ablation); random: logits ~ N(0, 0.1^2)
+    mask_init: str = "guided"
     init_expand_prob: float = 0.6
-    mask_lr: float = 0.01  # Adam on the mask logits; raised per task where Recycle is out of reach
+    kappa_flat: float = 4.0  # guided: + (s - 0.5) kappa_flat on each slot's Expand logit (the code's 4)
+    kappa_depth: float = 1.0  # guided: + kappa_depth * depth_l on every slot of layer l (the code's 1.0)
+    # cka: depth_l = the previous task's 1 - CKA drift of layer l on old-task replay data,
+    # min-max scaled over layers; fixed: depth_l = 1 on the last third of the layers (the code's)
+    depth_prior: str = "cka"
+    probe_batches: int = 20  # guided: replay micro-batches of the flatness probe (the code's 20)
+    mask_lr: float = 0.01  # Adam on the mask logits; raised per task where its reach is short
+    mask_reach: float = PAPER_REACH  # the gap a task's updates can move at most, at least (search.py)
+    # route: each clone a routable expert of its own, gated by pi; mix: the paper's pair,
+    # pi * new + (1 - pi) * old on the old expert's routing (supernet.py)
+    supernet: str = "route"
     mask_every: int = 10  # N: an outer step every N optimiser steps
     # own: the outer step draws its own pi and runs its own replay forward (the paper's);
     # shared: on an outer step its pi also serves the inner replay loss (one forward fewer)
@@ -57,6 +77,11 @@ class BilevelCKAArgs(MoEArgs):
             raise UserError(f"method_args.mask={self.mask!r}: choose one of {', '.join(MASK_MODES)}")
         if self.mask_init not in MASK_INITS:
             raise UserError(f"method_args.mask_init={self.mask_init!r}: choose one of {', '.join(MASK_INITS)}")
+        for name, choices in (("depth_prior", DEPTH_PRIORS), ("supernet", SUPERNETS)):
+            if getattr(self, name) not in choices:
+                raise UserError(f"method_args.{name}={getattr(self, name)!r}: choose one of {', '.join(choices)}")
+        if self.probe_batches < 1:
+            raise UserError(f"method_args.probe_batches={self.probe_batches} must be >= 1")
         if self.outer_sample not in OUTER_SAMPLES:
             raise UserError(f"method_args.outer_sample={self.outer_sample!r}: choose one of {', '.join(OUTER_SAMPLES)}")
         if not 0 < self.init_expand_prob < 1:
@@ -67,7 +92,8 @@ class BilevelCKAArgs(MoEArgs):
         if not (0 < self.tau_final <= self.tau0 and 0 < self.tau_decay <= 1):
             raise UserError(f"method_args: need 0 < tau_final ({self.tau_final}) <= tau0 ({self.tau0}) "
                             f"and 0 < tau_decay ({self.tau_decay}) <= 1")
-        for name in ("lambda_cka", "lambda_replay", "gamma", "beta", "mask_lr"):
+        for name in ("lambda_cka", "lambda_replay", "gamma", "beta", "mask_lr", "kappa_flat", "kappa_depth",
+                     "mask_reach"):
             if getattr(self, name) < 0:
                 raise UserError(f"method_args.{name}={getattr(self, name)} must be >= 0")
         if not 0 <= self.r_target <= 1:

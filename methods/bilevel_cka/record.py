@@ -50,11 +50,14 @@ def finalise(model: nn.Module, task: _Task, expand: torch.Tensor, active: dict[i
         task.set_masks(expand.to(device, torch.float32))
         supernet_loss = mean_loss(model, check)
     blocks = decoder_layers(model)
-    added = 0
+    added = replaced = 0
     for c, (i, net) in enumerate(task.nets.items()):
         layer, clones = net.moe, net.clones
         chosen = expand[c].nonzero().flatten().tolist()  # slots that expand
-        if chosen:
+        if chosen and net.form == "mix":  # the clone takes its expert's place, on its row
+            _replace(layer, clones, chosen, active[i])
+            replaced += len(chosen)
+        elif chosen:
             first = layer.n_experts
             index = torch.tensor(chosen, device=clones.gate.device)
             taken = tuple(w[index].detach().clone() for w in (clones.gate, clones.up, clones.down))
@@ -84,9 +87,13 @@ def finalise(model: nn.Module, task: _Task, expand: torch.Tensor, active: dict[i
         probs = (task.logits[..., 1] - task.logits[..., 0]).detach().cpu().sigmoid()
         probs = [[_round(p) for p in row] for row in probs.tolist()]
     return {
+        "supernet": args.supernet,
+        "mask_init": args.mask_init if task.init is not None else None,
+        "init": _init_record(task, expand),
         "trainable": trained,
         "expansion_rate": float(expand.float().mean()),
         "experts_added": added,
+        "experts_replaced": replaced,
         "decision_layers": list(task.nets),
         "decisions": expand.int().tolist(),
         "expand_prob": probs,
@@ -98,9 +105,37 @@ def finalise(model: nn.Module, task: _Task, expand: torch.Tensor, active: dict[i
                           "tau0": args.tau0, "tau_decay": task.decay, "tau_end": task.tau,
                           "mask_lr": args.mask_lr, "mask_lr_eff": task.mask_lr,
                           "init_gap": None if task.init_gap is None else _round(task.init_gap),
+                          "mask_reach": args.mask_reach,
                           "reach": None if task.mask_lr is None else _round(2 * task.updates * task.mask_lr)},
         "deploy_check": deploy,
     }
+
+
+def _replace(layer, clones, chosen: list[int], active: list[int]) -> None:
+    """supernet=mix's Expand: expert active[c]'s weights become clone c's, for c in `chosen`."""
+    owner = [(g, j) for g in layer.groups for j in range(len(g))]  # expert e -> (group, index)
+    with torch.no_grad():
+        for c in chosen:
+            group, j = owner[active[c]]
+            for name in ("gate", "up", "down"):
+                getattr(group, name)[j].copy_(getattr(clones, name)[c])
+
+
+def _init_record(task: _Task, expand: torch.Tensor) -> dict[str, Any] | None:
+    """Where the search started and what it changed: the initial gap alpha_e - alpha_r per
+    slot (the tensor the mask logits were made from), the decisions its sign gives, how
+    many final decisions differ from it, and how many slots the task's reach 2 U lr could
+    carry across 0.5 (|gap| < reach); the guided init's inputs (guidance.py) with it."""
+    if task.init is None:
+        return None
+    gap = (task.init[..., 1] - task.init[..., 0]).cpu()
+    reach = 2 * task.updates * task.mask_lr if task.mask_lr is not None else 0.0
+    return {"gap": [[_round(x) for x in row] for row in gap.tolist()],
+            "decisions": (gap > 0).int().tolist(),
+            "changed": int(((gap > 0) != expand.cpu()).sum()),
+            "within_reach": int((gap.abs() < reach).sum()),
+            "slots": gap.numel(),
+            **({"guidance": task.guidance} if task.guidance is not None else {})}
 
 
 def decisions_for_schedule(decisions: list | None, experts_per_layer: float | None, n_tasks: int,

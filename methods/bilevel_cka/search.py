@@ -4,7 +4,7 @@ alpha, and the deep-layer features the CKA term compares.
 
     L_out = L_replay(pi) - gamma * G + beta * B(r),   G = sg(L_recycle - L_expand) * r,  r = mean(pi)
     N_eff = min(N, max(1, steps // min_mask_updates)),  U = steps // N_eff
-    rho_eff = min(rho, (tau_final / tau0)^(1 / U)),  mask_lr_eff = max(mask_lr, g0 / U)
+    rho_eff = min(rho, (tau_final / tau0)^(1 / U)),  mask_lr_eff = max(mask_lr, min(g0, R / 2) / U)
 
 Adam on alpha every N_eff optimiser steps; tau_k = max(tau_final, tau0 * rho_eff^k)
 after update k.
@@ -57,13 +57,16 @@ def mask_schedule(n_steps: int | None, args: BilevelCKAArgs) -> tuple[int, int |
     return every, updates, decay
 
 
-def reachable_mask_lr(updates: int | None, init_gap: float, mask_lr: float) -> float:
-    """mask_lr_eff = max(mask_lr, g0 / U): Adam moves each logit by at most ~lr per
-    update, so the expand - recycle gap moves at most 2 U lr in U updates; this lr
-    lets a gap g0 reach -g0 (module docstring). U None (unknown): mask_lr."""
+def reachable_mask_lr(updates: int | None, init_gap: float, mask_lr: float, reach: float) -> float:
+    """mask_lr_eff = max(mask_lr, min(g0, R / 2) / U): Adam moves each logit by at most
+    ~lr per update, so the expand - recycle gap moves at most 2 U lr in U updates;
+    this lr lets a gap g0 reach -g0, but never lets the task's updates move a gap by
+    more than R = `reach` (the paper's 2 * 78 * 0.01) where mask_lr alone would not:
+    a guided init's spread (up to ~5) stays larger than what a push common to every
+    slot can undo (module docstring). U None (unknown): mask_lr."""
     if not updates:
         return mask_lr
-    return max(mask_lr, init_gap / updates)
+    return max(mask_lr, min(init_gap, reach / 2) / updates)
 
 
 def no_update_error(stage: Stage, n_steps: int, args: BilevelCKAArgs) -> UserError:
@@ -89,6 +92,8 @@ class _Task:
     tau: float
     mask_lr: float | None = None  # mask_lr_eff
     init_gap: float | None = None  # g0: max |alpha_e - alpha_r| at the start
+    init: torch.Tensor | None = None  # alpha at the start (L_c, K, 2), as the search got it
+    guidance: dict | None = None  # mask_init=guided: what the init was computed from (guidance.py)
     updates: int = 0
     pi: torch.Tensor | None = None  # (L_c, K): this step's sample
     pi_step: int = -1
@@ -118,6 +123,18 @@ class _Task:
         self.task_batch, self.replay_batch, self.cka = state["task_batch"], state["replay_batch"], state["cka"]
         self.task_batches.clear()
         self.task_batches.extend(state["task_batches"])
+
+    @contextlib.contextmanager
+    def pre_task(self):
+        """Inside: every supernet is the layer before the task (pi None, no clones)."""
+        pi = [net.pi for net in self.nets.values()]
+        for net in self.nets.values():
+            net.pi = None
+        try:
+            yield
+        finally:
+            for net, p in zip(self.nets.values(), pi):
+                net.pi = p
 
     def set_masks(self, pi: torch.Tensor) -> None:
         """pi (L_c, K): row c gates the clones of the c-th candidate layer."""
@@ -231,15 +248,9 @@ class LayerFeatures:
         rows = self.rows(batch)
         missing = list(dict.fromkeys([*refresh, *(key for key in rows if key not in task.reference)]))
         if missing:
-            pi = [net.pi for net in task.nets.values()]
-            for net in task.nets.values():
-                net.pi = None
-            try:
+            with task.pre_task():
                 for key in missing:
                     task.reference[key] = self._alone(task, key[1], batch["input_ids"].device)
-            finally:
-                for net, p in zip(task.nets.values(), pi):
-                    net.pi = p
         return {l: self.spaced(torch.cat([task.reference[key][l] for key in rows])) for l in self.layers}
 
     def _alone(self, task: _Task, ids: tuple[int, ...], device: torch.device) -> dict[int, torch.Tensor]:

@@ -567,7 +567,7 @@ def test_cpu_long_gives_the_search_35_to_70_outer_updates_a_task():
     long = _outer_updates("cpu-long", BilevelCKAArgs(min_mask_updates=35))
     assert long == {"MeetingBank": 36, "Py150": 48, "NumGLUE-cm": 48, "NumGLUE-ds": 48, "20Minuten": 36,
                     "C-STANCE": 48}
-    assert all(2 * u * reachable_mask_lr(u, g0, 0.01) >= 2 * g0 - 1e-9 for u in long.values())
+    assert all(2 * u * reachable_mask_lr(u, g0, 0.01, BilevelCKAArgs().mask_reach) >= 2 * g0 - 1e-9 for u in long.values())
 
 
 def test_recycle_is_reachable_on_a_short_task():
@@ -577,9 +577,9 @@ def test_recycle_is_reachable_on_a_short_task():
     a, g0 = BilevelCKAArgs(), math.log(0.6 / 0.4)
     for steps, updates, lr in ((8, 4, g0 / 4), (12, 4, g0 / 4), (32, 4, g0 / 4), (785, 78, 0.01)):
         assert mask_schedule(steps, a)[1] == updates
-        assert reachable_mask_lr(updates, g0, a.mask_lr) == pytest.approx(lr)
-        assert 2 * updates * reachable_mask_lr(updates, g0, a.mask_lr) >= 2 * g0 - 1e-9
-    assert reachable_mask_lr(None, g0, a.mask_lr) == a.mask_lr  # steps unknown: as given
+        assert reachable_mask_lr(updates, g0, a.mask_lr, a.mask_reach) == pytest.approx(lr)
+        assert 2 * updates * reachable_mask_lr(updates, g0, a.mask_lr, a.mask_reach) >= 2 * g0 - 1e-9
+    assert reachable_mask_lr(None, g0, a.mask_lr, a.mask_reach) == a.mask_lr  # steps unknown: as given
 
     # an outer loss that pushes every slot to Recycle gets there in a task of 8 steps
     method, model = make(r_target=0.0, beta=100.0, gamma=0.0)
@@ -676,7 +676,8 @@ def test_smoke_run_records_decisions_and_resumes_to_the_same_run(trace_dir, tmp_
         s = p["mask_schedule"]  # smoke: 2 steps a task -> an outer step each, tau down to 0.1
         assert (s["steps"], s["mask_every"], s["updates"]) == (2, 1, 2)
         assert s["tau_end"] == pytest.approx(0.1)
-        assert s["mask_lr_eff"] == pytest.approx(math.log(1.5) / 2)  # 2 updates: raised so Recycle is reachable
+        # 2 updates: raised so the gap can move by min(2 g0, the paper's reach)
+        assert s["mask_lr_eff"] == pytest.approx(min(s["init_gap"], s["mask_reach"] / 2) / 2)
         d = p["deploy_check"]  # the deployed model is the searched one, without pairs of copies
         assert d["batches"] == 4 and d["loss_gap"] <= 1e-5 and max(d["pair_share"]) <= 0.25, d
     rows = results.read_jsonl(only_run(straight) / "metrics.jsonl")
