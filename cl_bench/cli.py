@@ -88,6 +88,10 @@ def _interrupted(run) -> str:
                 f"checkpoint; continue with: {again}")
     if has_checkpoint(run.run_dir):
         return f"interrupted; {done} of {total} stages are saved; continue with: {again}"
+    scored = sum(score is not None for score in run.record.zero_shot or [])
+    if scored:
+        return (f"interrupted before the first stage was saved; {scored} of {len(run.tasks)} zero-shot scores "
+                f"are saved; continue with: {again}")
     return f"interrupted before the first stage was saved; nothing to keep; start it again with: {again}"
 
 

@@ -154,12 +154,15 @@ def _prepare_locked(config, resume_dir, run_dir, record, method_cls, method_args
     stages = method.plan(tasks)
     ctx.n_stages = len(stages)
 
+    kept: list[dict] = []  # a restart: the zero-shot row's predictions it keeps
     if resume_dir is None or restart:
         backend.on_main(lambda: run_dir.mkdir(parents=True, exist_ok=True))
         first = (command if record.command is None else record.command) if restart else command
-        record = new_record(config, method, method_args, loaded.info, tasks, stages, first, backend)
+        old, record = record, new_record(config, method, method_args, loaded.info, tasks, stages, first, backend)
+        if restart:
+            kept = run_state.keep_zero_shot(old, record, run_dir)
     run = Run(config, run_dir, method, tasks, stages, encoder, backend, record, replay, sources,
-              progress=progress and backend.is_main)
+              predictions=kept, progress=progress and backend.is_main)
     if config.eval.cka_probe:
         run.probe = RepresentationProbe(config.eval.cka_probe, config.eval.cka_probe_tokens)
     if config.eval.routing_probe:
@@ -173,8 +176,11 @@ def _prepare_locked(config, resume_dir, run_dir, record, method_cls, method_args
         record.resumes = [{"at_stage": 0, "command": command, "backend": backend.describe()}]
         if backend.is_main:
             within = results.has_checkpoint(run_dir, results.STEP_CHECKPOINT_DIR)
+            scored = sum(score is not None for score in record.zero_shot or [])
             log.info("%s: no stage checkpoint (it stopped in stage 1, or before stage 1's was written); "
-                     "restarting it from stage 1%s", run_dir, ", then from its in-stage checkpoint" if within else "")
+                     "restarting it from stage 1%s%s", run_dir,
+                     f" (keeping the {scored} zero-shot scores)" if scored else "",
+                     ", then from its in-stage checkpoint" if within else "")
         backend.barrier()  # every rank has read the files before rank 0 rewrites them
         backend.on_main(lambda: (run_dir / results.METRICS_FILE).unlink(missing_ok=True))
         run_state.write_files(run)

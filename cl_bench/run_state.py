@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +27,7 @@ from cl_bench import results
 
 if TYPE_CHECKING:
     from cl_bench.prepare import Run
+    from cl_bench.record import RunRecord
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +135,29 @@ def enter_in_stage(run: Run, at: InStage) -> None:
     if run.backend.is_main:
         log.info("%s: continuing stage %d at step %d of its phase %d (in-stage checkpoint)", run.run_dir,
                  at.stage + 1, at.step, at.phase + 1)
+
+
+def keep_zero_shot(old: RunRecord, new: RunRecord, run_dir: Path) -> list[dict]:
+    """A restart (no stage checkpoint yet): the zero-shot scores of `old`, the record
+    read, go into `new`, the fresh one, if the model is the same (its sha256 among
+    the info compared); returns their predictions. A task whose predictions are not
+    all in predictions.jsonl (a stop between the record's write and theirs) is
+    scored again."""
+    if old.zero_shot is None or old.model != new.model or len(old.zero_shot) != len(new.tasks):
+        return []
+    rows: dict[str, list[dict]] = {}
+    for row in results.read_jsonl(run_dir / results.PREDICTIONS_FILE):
+        if row["stage"] == results.ZERO_SHOT_STAGE:
+            rows.setdefault(row["task"], []).append(row)
+    n = {m["task"]: m["n"] for m in old.task_metrics if m["stage"] == results.ZERO_SHOT_STAGE}
+    kept = [name for name, score in zip(new.tasks, old.zero_shot)
+            if score is not None and name in n and len(rows.get(name, [])) == n[name]]
+    if not kept:
+        return []
+    new.zero_shot = [score if name in kept else None for name, score in zip(new.tasks, old.zero_shot)]
+    new.task_metrics = [m for m in old.task_metrics if m["stage"] == results.ZERO_SHOT_STAGE and m["task"] in kept]
+    new.timing.zero_shot_s = old.timing.zero_shot_s
+    return [row for name in kept for row in rows[name]]
 
 
 def restore(run: Run, command: str) -> None:

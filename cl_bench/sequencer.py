@@ -6,7 +6,9 @@ the run record, the predictions and a checkpoint are written
 (cl_bench/run_state.py), so an interrupted run loses at most the stage in
 progress and `--resume` continues at the next one; with train.checkpoint_every_s,
 checkpoints are also written inside a stage, at step boundaries, and `--resume`
-continues at the step after the last one.
+continues at the step after the last one. The zero-shot row is written after
+each task it scores: a stop there keeps the tasks scored, and `--resume` scores
+the rest.
 
 With several ranks (the deepspeed backend) every rank runs this same loop on the
 same data; only rank 0 writes files, logs and shows progress, and the backend
@@ -18,7 +20,7 @@ import logging
 import math
 import resource
 import time
-from typing import Any
+from typing import Any, Callable
 
 from cl_bench import precision, progress, results, run_state, signals
 from cl_bench.analysis.sharpness import expert_sharpness
@@ -54,15 +56,8 @@ def execute(run: Run, keep_checkpoint: bool = False, stop: signals.Stop | None =
                 run_state.write_files(run)  # checkpoint of stage 1 is resumed through it
             stop.check()
             ev = run.config.eval
-            if (ev.eval_all or ev.zero_shot) and rec.zero_shot is None:
-                t0 = time.perf_counter()
-                evals = _evaluate(run, "zero-shot", list(range(len(run.tasks))), run.method.model, stop)
-                rec.zero_shot = [evals[j].score for j in range(len(run.tasks))]
-                for j, ev_j in evals.items():  # stage -1: the zero-shot row, before any training
-                    rec.task_metrics.append({"stage": results.ZERO_SHOT_STAGE, "task": run.tasks[j].name, **ev_j.details})
-                    run.predictions.extend({"stage": results.ZERO_SHOT_STAGE, **row} for row in ev_j.rows)
-                rec.timing.zero_shot_s = round(time.perf_counter() - t0, 2)
-                run_state.write_files(run)
+            if (ev.eval_all or ev.zero_shot) and (rec.zero_shot is None or None in rec.zero_shot):
+                _zero_shot_row(run, stop)
             if run.lima is not None and not measured(rec.general, LIMA_ZERO_SHOT):
                 _lima(run, LIMA_ZERO_SHOT)
                 run_state.write_files(run)
@@ -106,6 +101,28 @@ def execute(run: Run, keep_checkpoint: bool = False, stop: signals.Stop | None =
                 run.lock.close()
                 run.lock = None
         return rec
+
+
+def _zero_shot_row(run: Run, stop: signals.Stop) -> None:
+    """The zero-shot row (stage -1, before any training) of the tasks not scored yet;
+    the record and the predictions are written after each task, so a stop keeps the
+    tasks scored and --resume scores the rest (run_state.keep_zero_shot)."""
+    rec = run.record
+    rec.zero_shot = rec.zero_shot or [None] * len(run.tasks)
+    last = time.perf_counter()
+
+    def task_done(j: int, ev_j) -> None:
+        nonlocal last
+        rec.zero_shot[j] = ev_j.score
+        rec.task_metrics.append({"stage": results.ZERO_SHOT_STAGE, "task": run.tasks[j].name, **ev_j.details})
+        run.predictions.extend({"stage": results.ZERO_SHOT_STAGE, **row} for row in ev_j.rows)
+        now = time.perf_counter()
+        rec.timing.zero_shot_s = round((rec.timing.zero_shot_s or 0.0) + now - last, 2)
+        last = now
+        run_state.write_files(run)
+
+    todo = [j for j, score in enumerate(rec.zero_shot) if score is None]
+    _evaluate(run, "zero-shot", todo, run.method.model, stop, task_done)
 
 
 class _InStageCheckpoints:
@@ -254,7 +271,9 @@ def _epochs(run: Run, stage: Stage) -> list[list[dict]]:
     return [[row for n, rows in per_task if e < n for row in rows] for e in range(n_epochs)]
 
 
-def _evaluate(run: Run, stage_label: str, indices: list[int], model, stop: signals.Stop) -> dict[int, Any]:
+def _evaluate(run: Run, stage_label: str, indices: list[int], model, stop: signals.Stop,
+              task_done: Callable[[int, Any], None] | None = None) -> dict[int, Any]:
+    """TaskEval per task index; `task_done(j, its TaskEval)` after each task."""
     total = sum(len(run.tasks[j].test) for j in indices)
     out = {}
     with progress.bar(total, f"{stage_label} eval", "ex", run.progress, run.backend.is_main,
@@ -266,6 +285,8 @@ def _evaluate(run: Run, stage_label: str, indices: list[int], model, stop: signa
         for j in indices:
             out[j] = evaluate_task(model, run.encoder, run.tasks[j], run.config.eval, batch_done,
                                    run.backend.generate)
+            if task_done is not None:
+                task_done(j, out[j])
     return out
 
 
