@@ -11,9 +11,10 @@ straight-through Gumbel mask pi_c = 1 (supernet.py), and
     L_CKA = mean_{l in deep} 1 - CKA(Phi_l, Phi_l^old)                  replay batch, layer outputs
     L_out = L_replay(pi) - gamma * G + beta * B(r),  G = sg(L_recycle - L_expand) * r,  r = mean(pi)
 
-the outer loss trained on the mask logits alpha every N steps (search.py); at
-the end, sigmoid(alpha_e - alpha_r) > 0.5 -> Expand (the clone joins as a new
-expert), else Recycle (record.py). Arguments: args.py.
+the outer loss trained on the mask logits alpha every N steps (search.py), from
+the guided init (guidance.py: the prior, the replay flatness per expert and the
+measured CKA drift per layer); at the end, sigmoid(alpha_e - alpha_r) > 0.5 ->
+Expand (the clone joins as a new expert), else Recycle (record.py). Arguments: args.py.
 
 Source: CKA-guided bilevel MoE upcycling (ICML 2026); its published code as
 bilevel-reference.md describes it. Full account (routing choice, schedule,
@@ -25,9 +26,11 @@ Differs from the paper/code (bilevel-reference.md §8), on purpose:
   batch, against the model before this task (the code: a float every 20 steps,
   layer inputs, task 0's batches);
 - router rows stay aligned with experts; each clone's own row is searched and deployed;
-- masks on every candidate layer; no sensitivity probe, deep-layer bias, adaptive
-  gamma / beta / r_target, CKA warm-up or layer weights; balance above target sigmoid;
-- tau reaches tau_final within each task; mask_lr raised where Recycle is out of reach;
+- masks on every candidate layer, the guided init's flatness term too; its depth
+  term measured (the code's fixed bias: depth_prior=fixed); no adaptive gamma /
+  beta / r_target, CKA warm-up or layer weights; balance above target sigmoid;
+- tau reaches tau_final within each task; mask_lr raised where the task's updates
+  are fewer than the paper's, up to the paper's reach;
 - shared weights frozen by default (train_shared=true trains them).
 """
 from __future__ import annotations
