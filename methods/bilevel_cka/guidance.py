@@ -56,6 +56,11 @@ def replay_batches(ctx, examples: list, n_batches: int, key: str) -> list[dict]:
     return [collate(rows[i:i + size], ctx.pad_id) for i in range(0, len(rows), size)]
 
 
+def expert_owners(layer) -> list[tuple[nn.Module, int]]:
+    """Expert e of an UpcycledMoE -> (its group, its index in the group), in router-row order."""
+    return [(g, j) for g in layer.groups for j in range(len(g))]
+
+
 def expert_sensitivity(model: nn.Module, layers: list[int], active: dict[int, list[int]],
                        batches: list[dict], autocast: Callable) -> torch.Tensor:
     """(L_c, K): ||grad L_replay|| / sqrt(numel) of each active expert (its gate, up and
@@ -64,7 +69,7 @@ def expert_sensitivity(model: nn.Module, layers: list[int], active: dict[int, li
     blocks = decoder_layers(model)
     where = []  # per layer, per slot: (group, index in the group)
     for i in layers:
-        owner = [(g, j) for g in blocks[i].mlp.groups for j in range(len(g))]  # expert e -> (group, j)
+        owner = expert_owners(blocks[i].mlp)
         where.append([owner[e] for e in active[i]])
     groups = list({id(g): g for row in where for g, _ in row}.values())
     params = [w for g in groups for w in (g.gate, g.up, g.down)]

@@ -30,6 +30,7 @@ from cl_bench.errors import UserError
 from cl_bench.models.modes import device_of
 from cl_bench.models.moe import decoder_layers
 
+from .guidance import expert_owners
 from .search import LayerFeatures, _Task, mean_loss
 from .supernet import pair_shares
 
@@ -113,7 +114,7 @@ def finalise(model: nn.Module, task: _Task, expand: torch.Tensor, active: dict[i
 
 def _replace(layer, clones, chosen: list[int], active: list[int]) -> None:
     """supernet=mix's Expand: expert active[c]'s weights become clone c's, for c in `chosen`."""
-    owner = [(g, j) for g in layer.groups for j in range(len(g))]  # expert e -> (group, index)
+    owner = expert_owners(layer)
     with torch.no_grad():
         for c in chosen:
             group, j = owner[active[c]]
