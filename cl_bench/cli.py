@@ -307,7 +307,13 @@ def cmd_campaign(args) -> int:
     return campaign.main(args)
 
 
-COMMANDS = {"run": cmd_run, "campaign": cmd_campaign, "show": cmd_show, "compare": cmd_compare, "claims": cmd_claims,
+def cmd_tune(args) -> int:
+    from cl_bench.tuning.cli import main as tune
+
+    return tune(args)
+
+
+COMMANDS = {"run": cmd_run, "campaign": cmd_campaign, "tune": cmd_tune, "show": cmd_show, "compare": cmd_compare, "claims": cmd_claims,
             "list": cmd_list, "leaderboard": cmd_leaderboard, "site": cmd_site,
             "analyze": cmd_analyze, "score": cmd_score, "params": cmd_params, "perf": cmd_perf}
 

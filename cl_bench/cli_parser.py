@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-DESCRIPTION = ("`cl-bench`: run | campaign | show | compare | claims | list | leaderboard | site | analyze | score | "
-               "params | perf.")
+DESCRIPTION = ("`cl-bench`: run | campaign | tune | show | compare | claims | list | leaderboard | site | analyze | "
+               "score | params | perf.")
 
 
 def _kv(text: str) -> tuple[str, str]:
@@ -37,6 +37,9 @@ def _add_run(sub) -> None:
                    help="a method argument (repeatable); see `cl-bench list --verbose`")
     p.add_argument("--set", type=_kv, action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="any config field, e.g. train.epochs=2 (repeatable)")
+    p.add_argument("--tuned", action="store_true",
+                   help="the method's arguments from configs/tuned/<profile>.yaml (`cl-bench tune choose`); "
+                        "the record names the file's commit")
     p.add_argument("--eval-all", action="store_true",
                    help="evaluate every task at every stage plus a zero-shot row (for FWT)")
     p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue an interrupted run")
@@ -56,7 +59,7 @@ def _add_run(sub) -> None:
 
 # Flags of `run` that set config fields; --resume keeps the recorded config and refuses them.
 RUN_CONFIG_FLAGS = ("method", "model", "profile", "config", "seed", "data_dir", "order", "n_train", "n_test",
-                    "output_dir", "run_id", "method_arg", "set", "eval_all", "backend", "zero", "log")
+                    "output_dir", "run_id", "method_arg", "set", "eval_all", "backend", "zero", "log", "tuned")
 
 
 def run_overrides(args) -> dict:
@@ -73,6 +76,8 @@ def run_overrides(args) -> dict:
         raw["data"] = data
     if args.eval_all:
         raw.setdefault("eval", {})["eval_all"] = True
+    if args.tuned:
+        raw["tuned"] = True
     if args.zero is not None:
         raw.setdefault("deepspeed", {})["zero"] = args.zero
     if args.method_arg:
@@ -199,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="committed run records the estimates learn from, relative to the root (default results)")
     p.add_argument("--root", type=Path, help="the repository the plan's paths start from (default: the git "
                                              "checkout holding the working directory)")
+    from cl_bench.tuning.cli import add_parser as add_tune
+
+    add_tune(sub)
     p = sub.add_parser("perf", help="measure generation speed-up, harness overhead, MoE dispatch, "
                                     "the loss upcycling adds before training, deepspeed's per-step cost, fp32 against bf16, "
                                     "or a method's step against another's and the passes it needs")

@@ -128,6 +128,8 @@ class RunConfig:
     run_id: str | None = None  # None: <method>-<timestamp>-<random>
     backend: str = "torch"  # torch: one process; deepspeed: ZeRO-2/3 over any number of ranks
     log: str = "none"  # per-step metrics also to: none | tensorboard | wandb (cl_bench/metric_log.py)
+    tuned: str | None = None  # `--tuned`: the tuned file the method's arguments came from, @ its commit
+    #                           (cl_bench/tuning/tuned.py); None: not tuned
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -420,4 +422,12 @@ def resolve(profile: str, config_file: Path | None, overrides: dict[str, Any]) -
         raise UserError(f"unknown profile '{profile}'; {did_you_mean(profile, PROFILES)}available: {', '.join(PROFILES)}")
     raw = merge({"profile": profile, **PROFILES[profile]}, file_raw)
     raw = merge(raw, overrides)
+    if str(raw.get("tuned")).lower() in ("true", "yes", "on", "1"):  # --tuned, `tuned: true`, --set tuned=true
+        raw["tuned"] = True
+    elif raw.get("tuned") is not None:
+        raise UserError(f"tuned={raw['tuned']!r}: give true (--tuned); the tuned file and its commit are filled in")
+    if raw.get("tuned") is True:  # the method's arguments from the tuned file
+        from cl_bench.tuning import tuned
+
+        raw = tuned.apply(raw, profile)
     return build(raw, str(config_file) if config_file else "command line")

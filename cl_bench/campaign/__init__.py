@@ -21,6 +21,8 @@ estimated hours.
   spare, fit in what is left of H hours from the campaign's start, the plan's later runs tried when an
   earlier one does not fit; the rest wait for the next campaign (a session's or an
   allocation's window, so no run starts that the window's end would cut).
+- A tuning plan (a line `#! tuning: eval split only`; cl_bench/tuning/plan.py writes
+  them) is refused whole when one of its lines would score the test split.
 - `--dry-run` and `--status` print each run's state and hours (cl_bench/campaign/
   estimate.py: from the committed records' per-step and per-token timings of the same
   method and step shape; `~` marks a scaled estimate) and the total left.
@@ -35,7 +37,8 @@ import torch
 from cl_bench import results
 from cl_bench.campaign import code as pinning
 from cl_bench.campaign import estimate, launch
-from cl_bench.campaign.plan import Entry, action, drift, is_running, planned, read_plan, recorded
+from cl_bench.campaign.plan import (Entry, action, drift, is_running, is_tuning_plan, planned, read_plan, recorded,
+                                   refuse_test_split)
 from cl_bench.errors import UserError
 
 
@@ -138,6 +141,8 @@ def main(args) -> int:
     from cl_bench.precision import native_bf16
 
     entries = read_plan(args.plan)
+    if is_tuning_plan(args.plan):
+        refuse_test_split(args.plan, entries)
     settings = launch.SlurmSettings.load(args.slurm) if args.launcher == "slurm" and args.slurm else None
     if args.launcher == "slurm" and settings is None:
         raise UserError("--launcher slurm needs --slurm FILE: the Slurm settings (partition, time_min, "

@@ -18,6 +18,8 @@ from cl_bench import results
 from cl_bench.errors import UserError
 
 GIVEN_BY_LINE = ("--output-dir", "--run-id", "--no-progress", "--resume")
+# A plan holding this line is a tuning plan (cl_bench/tuning/plan.py): each of its runs must score the eval split.
+TUNING_MARK = "#! tuning: eval split only"
 
 
 @dataclass
@@ -122,3 +124,17 @@ def drift(record: dict, config, method_args) -> list[str]:
     ran = record.get("method_args") or {}
     out += [f"method_args.{k} {ran.get(k)!r} -> {v!r}" for k, v in sorted(asked.items()) if ran.get(k) != v]
     return out
+
+
+def is_tuning_plan(path: Path) -> bool:
+    return any(line.strip() == TUNING_MARK for line in path.read_text(encoding="utf-8").splitlines())
+
+
+def refuse_test_split(path: Path, entries: list[Entry]) -> None:
+    """A tuning plan whose line would score the test split is refused, whole."""
+    for entry in entries:
+        config, _ = planned(entry)
+        if config.data.test_split != "eval":
+            raise UserError(f"{path}:{entry.line}: {entry.run_dir} would score the test split, in a tuning plan "
+                            f"({TUNING_MARK!r}): tuning runs score the eval split only; add --set "
+                            f"data.test_split=eval to the line")

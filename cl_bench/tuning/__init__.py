@@ -1,0 +1,15 @@
+"""The tuning protocol (`cl-bench tune`): every ranked method's arguments chosen by a
+rule written before the runs, on the eval split, and the tuned leaderboard beside
+the shared-rate one. docs/tuning.md describes it for users.
+
+- grid.py: the grid file (configs/tuning/<profile>.yaml): the tuning order, each
+  method's learning rates and its strength, the rule's name; the plan line of each
+  grid point, always on the eval split.
+- plan.py: the plan of tuning runs for `cl-bench campaign` (a committed record that
+  fits a point is named instead of re-run), and the finals plan from the tuned file.
+- rule.py: the rule, applied to finished tuning runs; writes configs/tuned/<profile>.yaml.
+- tuned.py: that file read back: `cl-bench run --tuned`, and the runs that make the
+  tuned (or the shared-rate) leaderboard.
+- sensitivity.py: Last Acc and BWT at each grid value, and the rank-order verdict
+  between two leaderboards.
+"""
