@@ -21,6 +21,7 @@ from pathlib import Path
 
 from cl_bench import registry, results
 from cl_bench.campaign.plan import TUNING_MARK, Entry, planned
+from cl_bench.errors import UserError
 from cl_bench.tuning.grid import Grid, refuse_test_split
 
 # Config fields that do not change what a run trains or scores: a record may differ in them and still fit.
@@ -133,7 +134,11 @@ def finals_plan(grid: Grid, tuned_path: Path, tuned: dict, records: Records, out
     lines = [f"# The finals of {tuned_path}: each method at its tuned arguments (`cl-bench run --tuned`), on the",
              f"# {grid.profile} profile's order and test split; written by `cl-bench tune finals {grid.path}`.",
              "# A line naming a committed folder is a row whose arguments the tuning kept (done)."]
-    for method in tuned:
+    missing = [m for m in grid.methods if m not in tuned]
+    if missing:
+        raise UserError(f"{tuned_path}: no tuned arguments for {', '.join(missing)}; choose again "
+                        f"(`cl-bench tune choose {grid.path}`)")
+    for method in grid.methods:
         for seed in seeds if method in seeded else seeds[:1]:
             flags = ["--profile", grid.profile, "--method", method, "--tuned", "--seed", str(seed)]
             name = method + ("" if seed == seeds[0] else f"-seed{seed}")

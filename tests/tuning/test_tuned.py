@@ -87,3 +87,41 @@ def test_the_tuned_leaderboard_holds_each_method_at_its_tuned_arguments_and_judg
     (ewc,) = table.index[table["Method"] == "ewc"]
     assert list(table["Method"]) == ["seqft", "ewc"] and table.loc[ewc, "Last ≠ base"] == "yes"
     assert [Path(r.source).parent.name for r in tuned.select(load_runs(runs), shared, "smoke")] == ["seqft-shared"]
+
+
+def test_the_finals_run_each_method_at_its_tuned_arguments_on_the_test_split_seeded_rows_at_every_seed(
+        repo, tmp_path):
+    """A committed row that is the finals run (same arguments, seed and budget) is named,
+    not re-run. Mutation: finals_plan without the records lookup plans ewc again."""
+    from cl_bench.campaign.plan import Entry, planned, read_plan
+    from cl_bench.tuning import grid as grids
+    from cl_bench.tuning import plan
+    import dataclasses
+
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump({
+        "profile": "smoke", "order": ["NumGLUE-cm", "Py150", "20Minuten"], "rule": "last-acc-keep-base",
+        "output": "results/tuning", "methods": {"seqft": {"lr": [3.0e-6, 1.0e-5, 3.0e-5]},
+                                                "ewc": {"lr": [3.0e-6, 1.0e-5, 3.0e-5]}},
+        "finals": {"output": "results/tuned", "seeds": [1234, 2], "seeded": ["seqft", "ewc"]}}, sort_keys=False))
+    g = grids.load(path)
+    flags = ["--profile", "smoke", "--method", "ewc", "--tuned", "--seed", "2"]
+    config, method_args = planned(Entry(Path("x/y"), flags, 0))
+    committed = tmp_path / "results" / "ewc-smoke-seed2"
+    committed.mkdir(parents=True)
+    (committed / "run.json").write_text(json.dumps({
+        "status": "complete", "method": "ewc", "seed": 2, "config": {**config.to_dict(), "tuned": None},
+        "method_args": dataclasses.asdict(method_args), "git_commit": "abcdef123",
+        "backend": {"precision": {"train": "fp32", "eval": "fp32"}}}))
+    text = plan.finals_plan(g, Path("configs/tuned/smoke.yaml"), tuned.load(tuned.path_for("smoke")),
+                            plan.Records(Path("results"), tmp_path), g.finals.output, g.finals.seeds,
+                            g.finals.seeded)
+    (tmp_path / "finals.txt").write_text(text)
+    entries = read_plan(tmp_path / "finals.txt")
+    assert [str(e.run_dir) for e in entries] == ["results/tuned/seqft", "results/tuned/seqft-seed2",
+                                                 "results/tuned/ewc", "results/ewc-smoke-seed2"]
+    assert "kept: code abcdef12" in text
+    configs = [planned(e)[0] for e in entries]
+    assert {c.data.test_split for c in configs} == {"test"} and [c.seed for c in configs] == [1234, 2, 1234, 2]
+    assert [c.method_args.get("lr") for c in configs] == [3e-5, 3e-5, 1e-5, 1e-5]
+    assert all(c.tuned.startswith("configs/tuned/smoke.yaml@") for c in configs)
