@@ -313,7 +313,8 @@ def cmd_tune(args) -> int:
     return tune(args)
 
 
-COMMANDS = {"run": cmd_run, "campaign": cmd_campaign, "tune": cmd_tune, "show": cmd_show, "compare": cmd_compare, "claims": cmd_claims,
+COMMANDS = {"run": cmd_run, "campaign": cmd_campaign, "tune": cmd_tune, "show": cmd_show, "compare": cmd_compare,
+            "claims": cmd_claims,
             "list": cmd_list, "leaderboard": cmd_leaderboard, "site": cmd_site,
             "analyze": cmd_analyze, "score": cmd_score, "params": cmd_params, "perf": cmd_perf}
 
