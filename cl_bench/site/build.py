@@ -16,6 +16,9 @@ Pages (Jinja2 templates in cl_bench/site/templates, plain JS and CSS in static/)
   same code and output as `cl-bench compare --format json`. Pairs are pre-computed
   for every run against every baseline run (SeqFT) of its profile and precision
   that it can be compared with; a selector on the index goes to the generated ones.
+- sensitivity/<folder>.html: each sensitivity.json under --runs (`cl-bench tune
+  sensitivity --out`): Last Acc and BWT at each grid value, and the figure
+  (cl_bench/site/sensitivity.py).
 - items/<run>/<task>.html: the prediction browser, each test item's prompt,
   answer, and prediction and score at every stage, with what happened to it
   ("right after its stage, wrong after C-STANCE"). Left out with --no-browser
@@ -40,7 +43,7 @@ from cl_bench.intervals import record_intervals
 from cl_bench.record import RunRecord
 from cl_bench.report import SUMMARY_NAMES
 from cl_bench.results import METRICS_FILE, PREDICTIONS_FILE, RUN_FILE, ZERO_SHOT_STAGE, read_jsonl
-from cl_bench.site import views
+from cl_bench.site import sensitivity, views
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +118,12 @@ def build_site(runs_dir: Path, out: Path, exclude: list[str] = (), include: list
                 "pairs": {f"{p['baseline']}|{p['run']}": p["page"] for p in pairs}}
     for record in runs:
         _run_page(site, record, by_run.get(site.slug(record), []), selector, browser)
-    _index(site, runs, selector)
+    _index(site, runs, selector, sensitivity.write_pages(site))
     log.info("site: %d runs, %d comparisons -> %s", len(runs), len(pairs), site.out / "index.html")
     return site.out / "index.html"
 
 
-def _index(site: _Site, runs: list[RunRecord], selector: dict) -> None:
+def _index(site: _Site, runs: list[RunRecord], selector: dict, sensitivity_pages: list[dict]) -> None:
     folders: dict[str, list[RunRecord]] = {}
     for record in runs:
         folders.setdefault(Path(site.rel(record)).parent.as_posix(), []).append(record)
@@ -138,7 +141,8 @@ def _index(site: _Site, runs: list[RunRecord], selector: dict) -> None:
     first = next(iter(selector["pairs"]), "|").split("|")
     site.write("index.html", "index.html", tables=tables, filters=filters, selector=selector,
                pick_a=first[0], pick_b=first[1],
-               baseline=registry.baseline(), runs_dir=site.runs_dir.name, n_runs=len(runs))
+               baseline=registry.baseline(), runs_dir=site.runs_dir.name, n_runs=len(runs),
+               sensitivity=sensitivity_pages)
 
 
 def _run_page(site: _Site, record: RunRecord, pairs: list[dict], selector: dict, browser: bool) -> None:

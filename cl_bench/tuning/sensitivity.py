@@ -66,7 +66,7 @@ def rows(grid: Grid, records: plan.Records, decided: dict[str, float]) -> list[d
     return out
 
 
-def _cell(score) -> str:
+def cell(score) -> str:
     if not score or score[0] is None:
         return "not run"
     point, lo, hi = score
@@ -79,7 +79,7 @@ def format_table(table: list[dict]) -> str:
     for r in table:
         value = f"{r['value']:g}" + (" (base)" if r["base"] else "")
         arg = r["argument"] + ("" if r["at"] is None else f" at lr {r['at']:g}")
-        body.append(f"| {r['method']} | {arg} | {value} | {_cell(r['last_acc'])} | {_cell(r['bwt'])} | "
+        body.append(f"| {r['method']} | {arg} | {value} | {cell(r['last_acc'])} | {cell(r['bwt'])} | "
                     f"`{r['folder']}` |")
     return head + "\n".join(body) + "\n"
 

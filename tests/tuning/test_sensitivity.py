@@ -68,3 +68,27 @@ def test_the_same_order_in_both_leaderboards_is_rho_1_and_no_trades(tmp_path, fa
     v = sensitivity.verdict(_board(fake_run, tmp_path / "a", finals), _board(fake_run, tmp_path / "b", finals))
     assert v["rho"] == pytest.approx(1.0) and v["rho_ci"] == (1.0, 1.0) and v["trades"] == [] and not v["top_changed"]
     assert "rows that trade places at 95%: none" in sensitivity.format_verdict(v)
+
+
+def test_the_sensitivity_command_writes_table_figure_and_json_and_the_site_shows_them(tmp_path, fake_run,
+                                                                                      monkeypatch, capsys):
+    """Mutation: build_site without sensitivity.write_pages leaves no page and no index link."""
+    from cl_bench.site.build import build_site
+    from helpers import run_cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "grid.yaml").write_text(yaml.safe_dump({
+        "profile": "smoke", "order": ["NumGLUE-cm", "Py150", "20Minuten"], "rule": "last-acc-keep-base",
+        "output": "results/tuning", "methods": {"seqft": {"lr": [3.0e-6, 1.0e-5, 3.0e-5]}},
+        "finals": {"output": "results/tuned"}}))
+    fake_run(tmp_path / "results" / "tuning" / "seqft-lr1e-5", "seqft", {"lr": 1e-5}, [20, 26, 30])
+    assert run_cli("tune", "sensitivity", "grid.yaml", "--out", "results/tuning") == 0
+    assert "| seqft | lr | 1e-05 (base) | 63.3 [" in capsys.readouterr().out
+    for name in ("sensitivity.md", "sensitivity.json", "sensitivity.png"):
+        assert (tmp_path / "results" / "tuning" / name).is_file()
+    index = build_site(tmp_path / "results", tmp_path / "site", browser=False)
+    page = tmp_path / "site" / "sensitivity" / "tuning.html"
+    html = page.read_text()
+    assert "<td>1e-05 (base)</td><td>63.3 [" in html and "<td>3e-05</td><td>not run</td>" in html
+    assert 'src="../../results/tuning/sensitivity.png"' in html
+    assert 'href="sensitivity/tuning.html"' in index.read_text()
