@@ -125,3 +125,47 @@ def test_the_finals_run_each_method_at_its_tuned_arguments_on_the_test_split_see
     assert {c.data.test_split for c in configs} == {"test"} and [c.seed for c in configs] == [1234, 2, 1234, 2]
     assert [c.method_args.get("lr") for c in configs] == [3e-5, 3e-5, 1e-5, 1e-5]
     assert all(c.tuned.startswith("configs/tuned/smoke.yaml@") for c in configs)
+
+
+def test_the_commands_from_plan_to_verdict(repo, fake_run, monkeypatch, capsys):
+    """plan -> choose -> finals -> leaderboard (tuned and shared) -> verdict, through
+    `cl-bench tune`, on synthetic runs."""
+    monkeypatch.chdir(repo)
+    (repo / "grid.yaml").write_text(yaml.safe_dump({
+        "profile": "smoke", "order": ["NumGLUE-cm", "Py150", "20Minuten"], "rule": "last-acc-keep-base",
+        "output": "results/tuning", "methods": {"seqft": {"lr": [3.0e-6, 1.0e-5, 3.0e-5]},
+                                                "ewc": {"lr": [3.0e-6, 1.0e-5, 3.0e-5]}},
+        "finals": {"output": "results/tuned", "seeds": [1234]}}, sort_keys=False))
+    for method, finals in (("seqft", ([20] * 3, [30] * 3, [38] * 3)), ("ewc", ([20] * 3, [30] * 3, [31] * 3))):
+        for lr, final in zip((3e-6, 1e-5, 3e-5), finals):
+            fake_run(repo / "results" / "tuning" / f"{method}-lr{lr:.0e}".replace("e-0", "e-"), method,
+                     {"lr": lr}, final)
+    assert run_cli("tune", "plan", "grid.yaml", "--records", "results", "--out", "plan.txt") == 0
+    assert (repo / "plan.txt").read_text().startswith("#! tuning: eval split only")
+    assert run_cli("tune", "choose", "grid.yaml") == 0
+    chosen = yaml.safe_load((repo / "configs" / "tuned" / "smoke.yaml").read_text())
+    assert {m: e["args"] for m, e in chosen["methods"].items()} == {"seqft": {"lr": 3e-5}, "ewc": {"lr": 1e-5}}
+    assert chosen["methods"]["seqft"]["lr"]["runs"][3e-5] == "results/tuning/seqft-lr3e-5"
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "chosen")
+    assert run_cli("tune", "finals", "grid.yaml", "--out", "finals.txt") == 0
+    finals = (repo / "finals.txt").read_text()
+    assert "results/tuned/seqft: --profile smoke --method seqft --tuned --seed 1234" in finals
+    at_tuned = tuned.expected_args({"seqft": {"lr": 3e-5}, "ewc": {"lr": 1e-5}}, "smoke")
+    shared = tuned.expected_args({"seqft": {}, "ewc": {}}, "smoke")
+    fake_run(repo / "results" / "tuned" / "seqft", "seqft", at_tuned["seqft"], [36] * 3, split="test")
+    fake_run(repo / "results" / "ewc", "ewc", at_tuned["ewc"], [20] * 3, split="test")  # ewc kept its rate
+    fake_run(repo / "results" / "seqft", "seqft", shared["seqft"], [10] * 3, split="test")
+    (repo / "README.md").write_text("a\n<!-- tl:begin -->\nold\n<!-- tl:end -->\nb\n")
+    capsys.readouterr()
+    assert run_cli("tune", "leaderboard", "grid.yaml", "--exclude", "tuning/*", "--update-readme", "README.md",
+                   "--section", "tl") == 0
+    table = capsys.readouterr().out
+    assert table in (repo / "README.md").read_text() and "old" not in (repo / "README.md").read_text()
+    assert [line.split("|")[1].strip() for line in table.splitlines()[2:]] == ["seqft", "ewc"]
+    assert run_cli("tune", "leaderboard", "grid.yaml", "--view", "shared", "--exclude", "tuning/*") == 0
+    shared_table = capsys.readouterr().out
+    assert [line.split("|")[1].strip() for line in shared_table.splitlines()[2:]] == ["ewc", "seqft"]
+    assert run_cli("tune", "verdict", "grid.yaml", "--exclude", "tuning/*", "--top", "1") == 0
+    out = capsys.readouterr().out
+    assert "top 1 shared-rate: ewc" in out and "top 1 tuned:       seqft" in out
+    assert "trade places at 95%: ewc ahead of seqft at the shared rate" in out
