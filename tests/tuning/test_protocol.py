@@ -37,7 +37,8 @@ def test_the_cpu_grid_is_each_family_rate_a_third_and_three_times_and_the_streng
 
     g = grids.load(ROOT / "configs" / "tuning" / "cpu.yaml")
     families = PROFILES["cpu"]["train"]["lr_by_family"]
-    ranked = {n for n, c in registry.available().items() if not c.reference}
+    ranked = {n for n, c in registry.available().items()  # the project's own (other tests register more)
+              if not c.reference and c.__module__.startswith("cl_bench.methods.")}
     assert set(g.methods) == ranked  # every ranked method is tuned
     for method, m in g.methods.items():
         family = registry.get(method).lr_family
