@@ -66,6 +66,7 @@ class Finals:
     output: Path
     seeds: list[int]
     seeded: list[str]
+    sets: list[str] = field(default_factory=list)  # SECTION.FIELD=VALUE of every finals run (--set)
 
 
 @dataclass
@@ -174,8 +175,13 @@ def load(path: Path) -> Grid:
 def _finals(path: Path, raw, grids: dict[str, MethodGrid]) -> Finals:
     from cl_bench import registry
 
-    if not isinstance(raw, dict) or not isinstance(raw.get("output"), str) or set(raw) - {"output", "seeds", "seeded"}:
-        raise _fail(path, "finals", "give {output: results/tuned/<profile>, seeds: [1234, 2, 3], seeded: [...]}")
+    if not isinstance(raw, dict) or not isinstance(raw.get("output"), str) or set(raw) - {"output", "seeds", "seeded",
+                                                                                           "set"}:
+        raise _fail(path, "finals", "give {output: results/tuned/<profile>, seeds: [1234, 2, 3], seeded: [...], "
+                                    "set: [SECTION.FIELD=VALUE, ...]}")
+    sets = raw.get("set") or []
+    if not isinstance(sets, list) or not all(isinstance(x, str) and "=" in x and "." in x.split("=")[0] for x in sets):
+        raise _fail(path, "finals.set", f"{sets!r} must be a list of SECTION.FIELD=VALUE, e.g. [general.lima=64]")
     seeds = raw.get("seeds", [1234])
     if not isinstance(seeds, list) or not seeds or not all(isinstance(x, int) and not isinstance(x, bool)
                                                            for x in seeds):
@@ -183,7 +189,7 @@ def _finals(path: Path, raw, grids: dict[str, MethodGrid]) -> Finals:
     seeded = [registry.get(str(m)).name for m in raw.get("seeded") or []]
     if set(seeded) - set(grids):
         raise _fail(path, "finals.seeded", f"{sorted(set(seeded) - set(grids))} are not methods of the grid")
-    return Finals(Path(raw["output"]), seeds, seeded)
+    return Finals(Path(raw["output"]), seeds, seeded, list(sets))
 
 
 def third_and_triple(rate: float) -> list[float]:

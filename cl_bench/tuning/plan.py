@@ -6,11 +6,13 @@ test split. The rate points of every method first; a method's strength points
 once its rate is decided (its rate runs complete: the plan is written again then,
 and adds them at the chosen rate). A committed record that fits a point (`fits`:
 the same method arguments, seed, data, training and decoding budget, trained and
-scored in the precision the run would compute in) is named instead of a new folder, so the campaign counts it done.
+scored in the precision the run would compute in) is named instead of a new
+folder, so the campaign counts it done.
 
 The finals plan: each method at its tuned arguments (`--tuned`) on the profile's
-own order and test split, at the seeds the grid file's `finals` gives it; a seed
-whose committed row fits is named, not re-run.
+own order and test split, at the seeds the grid file's `finals` gives it, with its
+`set` fields (general.lima=64: a probe, which only measures); a seed whose
+committed row fits is named, not re-run.
 """
 from __future__ import annotations
 
@@ -24,27 +26,24 @@ from cl_bench.campaign.plan import TUNING_MARK, Entry, planned
 from cl_bench.errors import UserError
 from cl_bench.tuning.grid import Grid, refuse_test_split
 
-# Config fields that do not change what a run trains or scores: a record may differ in them and still fit.
-NOT_SCORED = {"output_dir", "run_id", "log", "backend", "tuned", "deepspeed", "data.data_dir", "train.lr_by_family",
-              "train.checkpoint_every_s", "train.precision", "eval.precision", "eval.cka_probe",
-              "eval.cka_probe_tokens", "eval.routing_probe", "eval.sharpness", "eval.sharpness_iters",
-              "eval.sharpness_layers", "method_args"}
-
-
-def _flat(config: dict) -> dict:
-    out = {}
-    for key, value in config.items():
-        if isinstance(value, dict) and key in ("data", "train", "eval", "replay"):
-            out.update({f"{key}.{k}": v for k, v in value.items()})
-        else:
-            out[key] = value
-    return out
+# What fixes a run's training and scores: the model and these sections of its config (the method, its
+# arguments and the seed are compared apart); the rest (output, logging, backend, the `general`
+# probes) only measures or places the run.
+SCORED = ("model",)
+SCORED_SECTIONS = ("data", "train", "eval", "replay")
+# Fields of those sections that do not change what a run trains or scores: a record may differ in them.
+NOT_SCORED = {"data.data_dir", "train.lr_by_family", "train.checkpoint_every_s", "train.precision", "eval.precision",
+              "eval.cka_probe", "eval.cka_probe_tokens", "eval.routing_probe", "eval.sharpness",
+              "eval.sharpness_iters", "eval.sharpness_layers"}
 
 
 def _scored(config: dict, method: str) -> dict:
     """The fields of a config that fix what its run trains and scores, defaults filled
     as the run resolves them (the lr schedule: the method's; the split: test)."""
-    flat = {k: v for k, v in _flat(config).items() if k not in NOT_SCORED}
+    flat = {key: config.get(key) for key in SCORED}
+    for section in SCORED_SECTIONS:
+        flat.update({f"{section}.{k}": v for k, v in (config.get(section) or {}).items()
+                     if f"{section}.{k}" not in NOT_SCORED})
     kind, warmup = registry.get(method).lr_schedule
     flat["train.lr_schedule"] = flat.get("train.lr_schedule") or kind
     flat["train.warmup_ratio"] = warmup if flat.get("train.warmup_ratio") is None else flat["train.warmup_ratio"]
@@ -141,6 +140,7 @@ def finals_plan(grid: Grid, tuned_path: Path, tuned: dict, records: Records, out
     for method in grid.methods:
         for seed in seeds if method in seeded else seeds[:1]:
             flags = ["--profile", grid.profile, "--method", method, "--tuned", "--seed", str(seed)]
+            flags += [arg for pair in grid.finals.sets for arg in ("--set", pair)]
             name = method + ("" if seed == seeds[0] else f"-seed{seed}")
             config, method_args = planned(Entry(output / name, flags, 0))
             found = records.find(config, method_args)

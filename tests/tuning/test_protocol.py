@@ -104,6 +104,8 @@ def _planned_record(g: grids.Grid, args: dict) -> tuple[dict, object, object]:
     (lambda r: None, True),
     (lambda r: r["config"]["eval"].update(cka_probe=8, routing_probe=8), True),  # measurement only
     (lambda r: r["config"].update(output_dir="elsewhere", run_id="x"), True),
+    (lambda r: r["config"].update(general={"lima": 64}), True),  # a probe
+    (lambda r: r["config"].pop("general"), True),  # a record from before the probe existed
     (lambda r: r.update(seed=2), False),
     (lambda r: r["method_args"].update(lr=3e-5), False),
     (lambda r: r["config"]["data"].update(test_split="test"), False),

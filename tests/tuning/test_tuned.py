@@ -103,10 +103,11 @@ def test_the_finals_run_each_method_at_its_tuned_arguments_on_the_test_split_see
         "profile": "smoke", "order": ["NumGLUE-cm", "Py150", "20Minuten"], "rule": "last-acc-keep-base",
         "output": "results/tuning", "methods": {"seqft": {"lr": [3.0e-6, 1.0e-5, 3.0e-5]},
                                                 "ewc": {"lr": [3.0e-6, 1.0e-5, 3.0e-5]}},
-        "finals": {"output": "results/tuned", "seeds": [1234, 2], "seeded": ["seqft", "ewc"]}}, sort_keys=False))
+        "finals": {"output": "results/tuned", "seeds": [1234, 2], "seeded": ["seqft", "ewc"],
+                   "set": ["general.lima=4"]}}, sort_keys=False))
     g = grids.load(path)
     flags = ["--profile", "smoke", "--method", "ewc", "--tuned", "--seed", "2"]
-    config, method_args = planned(Entry(Path("x/y"), flags, 0))
+    config, method_args = planned(Entry(Path("x/y"), flags, 0))  # committed without the probe
     committed = tmp_path / "results" / "ewc-smoke-seed2"
     committed.mkdir(parents=True)
     (committed / "run.json").write_text(json.dumps({
@@ -125,6 +126,7 @@ def test_the_finals_run_each_method_at_its_tuned_arguments_on_the_test_split_see
     assert {c.data.test_split for c in configs} == {"test"} and [c.seed for c in configs] == [1234, 2, 1234, 2]
     assert [c.method_args.get("lr") for c in configs] == [3e-5, 3e-5, 1e-5, 1e-5]
     assert all(c.tuned.startswith("configs/tuned/smoke.yaml@") for c in configs)
+    assert [c.general.lima for c in configs] == [4, 4, 4, 4]
 
 
 def test_the_commands_from_plan_to_verdict(repo, fake_run, monkeypatch, capsys):
