@@ -37,7 +37,8 @@ site: install
 
 # Every table of the README's results, from the committed run records (each command is also
 # written beside its table). The flagship's table needs one finished run under results/long.
-CPU_RUNS := --runs results --exclude 'cpu-v1/*' --exclude 'calibration/*' --exclude 'sweeps/*'
+CPU_RUNS := --runs results --exclude 'cpu-v1/*' --exclude 'calibration/*' --exclude 'sweeps/*' --exclude 'tuning/*' \
+            --exclude 'tuned/*'
 readme: install
 	$(VENV)/bin/cl-bench leaderboard $(CPU_RUNS) --exclude 'long/*' --update-readme README.md > /dev/null
 	$(VENV)/bin/cl-bench leaderboard $(CPU_RUNS) --exclude 'long/*' --view winners --update-readme README.md --section winners > /dev/null
