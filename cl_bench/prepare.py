@@ -133,6 +133,7 @@ def _prepare_locked(config, resume_dir, run_dir, record, method_cls, method_args
     d = config.data
     tasks = load_benchmark(data_dir, d.order, d.n_train, d.n_test, config.seed, d.n_train_per_task,
                            d.n_test_per_task, d.test_split)
+    _check_answers(tasks, data_dir)
     if resume_dir is not None:
         _check_same_data(record, tasks, resume_dir)
     replay = ReplayBuffer(config.replay, config.seed)
@@ -239,6 +240,16 @@ def new_record(config: RunConfig, method: Method, method_args, model_info: dict[
         majority={t.name: majority_level(t) for t in tasks if majority_level(t) is not None},
         config=config.to_dict(), backend=backend.describe(), versions=results.versions(),
         git_commit=results.git_commit())
+
+
+def _check_answers(tasks: list, data_dir: Path) -> None:
+    """A task whose training records used all have an empty answer would train on
+    EOS alone (and with empty prompts too, on no token at all: the loss is NaN)."""
+    for t in tasks:
+        if all(not e.answer.strip() for e in t.train):
+            raise UserError(f"{Path(data_dir) / t.provenance['train']['file']}: field \"answer\" is empty in all "
+                            f"{len(t.train)} training records used, so no answer tokens are left to train on; "
+                            f"fill in the answers, or leave {t.name} out of data.order")
 
 
 def _check_same_data(record: RunRecord, tasks: list, where: Path) -> None:

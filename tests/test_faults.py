@@ -185,6 +185,16 @@ def _duplicate_key(ctx):
     return smoke_args(ctx.trace, ctx.tmp / "runs", "--config", ctx.tmp / "my.yaml"), ctx.tmp, None
 
 
+def _empty_answers(with_prompts):
+    """NumGLUE-cm's training answers all emptied (its prompts too, unless `with_prompts`)."""
+    def setup(ctx):
+        path = ctx.trace / "NumGLUE-cm" / "train.json"
+        path.write_text(json.dumps([{"prompt": r["prompt"] if with_prompts else "", "answer": ""}
+                                    for r in json.loads(path.read_text())]))
+        return smoke_args(ctx.trace, ctx.tmp / "runs"), ctx.trace, f"{path}: field \"answer\" is empty"
+    return setup
+
+
 REFUSED = [  # (case, setup, message)
     ("non-empty folder", lambda ctx: _folder_with(ctx, "notes.txt"), "folder exists and is not empty (notes.txt)"),
     ("leftover metrics", lambda ctx: _folder_with(ctx, "metrics.jsonl"), "a run starts only in an absent or empty"),
@@ -212,6 +222,8 @@ REFUSED = [  # (case, setup, message)
     ("resume --method --seed", _resume_with("--method", "lora", "--seed", "0"), "drop --method, --seed"),
     ("resume --method-arg --set", _resume_with("--method-arg", "lr=1", "--set", "train.epochs=2"),
      "drop --method-arg, --set"),
+    ("empty answers", _empty_answers(True), "no answer tokens are left to train on; fill in the answers"),
+    ("empty answers and prompts", _empty_answers(False), "no answer tokens are left to train on; fill in the"),
     ("score not UTF-8", _score_not_utf8, "p.jsonl: not UTF-8 text (byte 12)"),
     ("score pooled stages", _score_pooled, "has predictions of stages 0, 1; pass --stage"),
 ]
