@@ -5,6 +5,7 @@ What it returns, a Run, is what the stage loop (cl_bench/sequencer.py) runs.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -88,22 +89,12 @@ def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: 
             if (resume_dir / results.LOCK_FILE).is_file():  # a run starting there, before its first record?
                 results.lock_run(resume_dir).close()  # if so, this names its PID
             raise
-        config = build(record.config, f"{resume_dir / results.RUN_FILE}: config")
+        with _naming_the_record(resume_dir / results.RUN_FILE):
+            config = build(record.config, f"{resume_dir / results.RUN_FILE}: config")
+            method_cls, method_args, data_dir = _checked(config)
         run_dir = resume_dir
-    method_cls = _method_class(config.method)
-    check_support(method_cls, config)
-    t = config.train  # the lr schedule the run records: the config's, else the method's
-    kind, warmup = method_cls.lr_schedule
-    t.lr_schedule = kind if t.lr_schedule is None else t.lr_schedule
-    t.warmup_ratio = warmup if t.warmup_ratio is None else t.warmup_ratio
-    method_args = method_cls.parse_args(method_cls.args_for(config))
-    for key, lr in dataclasses.asdict(method_args).items():  # lr, and any other learning rate (*_lr)
-        if (key == "lr" or key.endswith("_lr")) and isinstance(lr, float) and not (math.isfinite(lr) and lr > 0):
-            raise UserError(f"method_args.{key}={lr} must be a finite number > 0, e.g. --method-arg {key}=3e-4")
-    resolve_order(config.data.order)
-    check_per_task(config, list(CL_TASKS))
-    _check_model(config.model)
-    data_dir = resolve_data_dir(config.data.data_dir)
+    else:
+        method_cls, method_args, data_dir = _checked(config)
     backend = create_backend(config)  # deepspeed: joins the other ranks
     held: list = []  # rank 0: the run folder's lock, from here until execute ends
     if resume_dir is None:
@@ -123,6 +114,36 @@ def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: 
     return run
 
 
+def _checked(config: RunConfig) -> tuple[type, Any, Path]:
+    """What can be checked without a model: the method's class, its arguments, the
+    data folder."""
+    method_cls = _method_class(config.method)
+    check_support(method_cls, config)
+    t = config.train  # the lr schedule the run records: the config's, else the method's
+    kind, warmup = method_cls.lr_schedule
+    t.lr_schedule = kind if t.lr_schedule is None else t.lr_schedule
+    t.warmup_ratio = warmup if t.warmup_ratio is None else t.warmup_ratio
+    method_args = method_cls.parse_args(method_cls.args_for(config))
+    for key, lr in dataclasses.asdict(method_args).items():  # lr, and any other learning rate (*_lr)
+        if (key == "lr" or key.endswith("_lr")) and isinstance(lr, float) and not (math.isfinite(lr) and lr > 0):
+            raise UserError(f"method_args.{key}={lr} must be a finite number > 0, e.g. --method-arg {key}=3e-4")
+    resolve_order(config.data.order)
+    check_per_task(config, list(CL_TASKS))
+    _check_model(config.model)
+    return method_cls, method_args, resolve_data_dir(config.data.data_dir)
+
+
+@contextlib.contextmanager
+def _naming_the_record(path: Path):
+    """A recorded config that fails a check: the error names the record's file."""
+    try:
+        yield
+    except UserError as exc:
+        if str(path) in str(exc):
+            raise
+        raise UserError(f"{path}: in field config: {exc}") from None
+
+
 def _prepare_locked(config, resume_dir, run_dir, record, method_cls, method_args, data_dir, backend,
                     progress, command, t_start) -> Run:
     """The rest of prepare, under the run folder's lock (released if this raises)."""
@@ -135,6 +156,7 @@ def _prepare_locked(config, resume_dir, run_dir, record, method_cls, method_args
                            d.n_test_per_task, d.test_split)
     _check_answers(tasks, data_dir)
     if resume_dir is not None:
+        _check_same_tasks(record, tasks, resume_dir / results.RUN_FILE)
         _check_same_data(record, tasks, resume_dir)
     replay = ReplayBuffer(config.replay, config.seed)
     sources = {t.name: t.train for t in tasks}
@@ -154,6 +176,8 @@ def _prepare_locked(config, resume_dir, run_dir, record, method_cls, method_args
     method.setup(loaded.model)
     stages = method.plan(tasks)
     ctx.n_stages = len(stages)
+    if record is not None:
+        _check_same_stages(record, stages, run_dir / results.RUN_FILE)
 
     kept: list[dict] = []  # a restart: the zero-shot row's predictions it keeps
     if resume_dir is None or restart:
@@ -240,6 +264,21 @@ def new_record(config: RunConfig, method: Method, method_args, model_info: dict[
         majority={t.name: majority_level(t) for t in tasks if majority_level(t) is not None},
         config=config.to_dict(), backend=backend.describe(), versions=results.versions(),
         git_commit=results.git_commit())
+
+
+def _check_same_tasks(record: RunRecord, tasks: list, path: Path) -> None:
+    """A record to resume names the tasks its config loads."""
+    names = [t.name for t in tasks]
+    if record.tasks != names:
+        raise UserError(f"{path}: field tasks={record.tasks} differs from its config's data.order ({names}); "
+                        f"put back the record as cl-bench wrote it, or move the run folder away")
+
+
+def _check_same_stages(record: RunRecord, stages: list[Stage], path: Path) -> None:
+    """A record to resume has the stages its method plans."""
+    if [(s.label, s.tasks) for s in record.stages] != [(s.label, [t.name for t in s.tasks]) for s in stages]:
+        raise UserError(f"{path}: field stages differs from the {len(stages)} stages its method plans; put back "
+                        f"the record as cl-bench wrote it, or move the run folder away")
 
 
 def _check_answers(tasks: list, data_dir: Path) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cl_bench import record_shape
 from cl_bench.errors import UserError
 
 SCHEMA_VERSION = 2
@@ -38,7 +39,8 @@ class _Where:
         self.path, self.version = path or "<run record>", version
 
     def fail(self, what: str) -> UserError:
-        return UserError(f"{self.path}: {what} (schema_version {self.version}); the record is damaged")
+        return UserError(f"{self.path}: {what} (schema_version {self.version}); the record is damaged: "
+                         f"put back the file as cl-bench wrote it, or move the run folder away")
 
     def get(self, data: dict, key: str, types: type | tuple, default: Any = None, required: bool = False,
             prefix: str = "") -> Any:
@@ -298,13 +300,14 @@ class RunRecord:
         if not isinstance(data, dict):
             raise UserError(f"{where}: not a run record (a JSON object); the record is damaged")
         if "schema_version" not in data:
-            raise UserError(f"{where}: no schema_version, so not a cl-bench run record; move it out of the "
+            raise UserError(f"{where}: no field schema_version, so not a cl-bench run record; move it out of the "
                             f"runs folder")
         version = data["schema_version"]
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-            raise UserError(f"{where}: schema_version={version!r} is not a positive integer; the record is damaged")
+            raise UserError(f"{where}: field schema_version={version!r} is not a positive integer; the record is "
+                            f"damaged: put back the file as cl-bench wrote it, or move the run folder away")
         if version > SCHEMA_VERSION:
-            raise UserError(f"{where}: schema_version {version} is newer than this cl-bench reads "
+            raise UserError(f"{where}: field schema_version {version} is newer than this cl-bench reads "
                             f"(up to {SCHEMA_VERSION}); upgrade cl-bench")
         w = _Where(path, version)
         w.unknown(data, {f.name for f in dataclasses.fields(cls) if f.metadata.get("json", True)})
@@ -315,7 +318,7 @@ class RunRecord:
         stages = [StageRecord.from_json(s, w, f"stages[{i}]") for i, s in enumerate(g(data, "stages", list, list))]
         params = [ParamReport.from_json(p, w, f"params[{i}]") for i, p in enumerate(g(data, "params", list, list))]
         timing = Timing.from_json(data["timing"], w) if data.get("timing") is not None else Timing(total_s=None)
-        return cls(
+        record = cls(
             schema_version=version, run_id=g(data, "run_id", str), status=g(data, "status", str),
             command=g(data, "command", str), method=g(data, "method", str, required=True),
             method_args=g(data, "method_args", dict, dict), reference=g(data, "reference", bool, False),
@@ -331,3 +334,5 @@ class RunRecord:
             resumes=g(data, "resumes", list), intervals=g(data, "intervals", dict),
             failed_at=g(data, "failed_at", dict), error=g(data, "error", str),
             source=Path(path) if path is not None else None)
+        record_shape.check(record, w)
+        return record

@@ -284,21 +284,28 @@ def remove_checkpoint(run_dir: Path, name: str) -> None:
         shutil.rmtree(run_dir / folder, ignore_errors=True)
 
 
+def checkpoint_file(run_dir: Path, name: str = CHECKPOINT_DIR) -> Path | None:
+    """The state.pt that load_checkpoint reads (None: there is none)."""
+    for folder in (name, f"{name}.old"):
+        if (run_dir / folder / "state.pt").exists():
+            return run_dir / folder / "state.pt"
+    return None
+
+
 def load_checkpoint(run_dir: Path, name: str = CHECKPOINT_DIR) -> dict[str, Any]:
     """The last checkpoint, loaded with `weights_only=True`: tensors and plain types
     only, so a checkpoint from someone else cannot run code on --resume."""
-    for folder in (name, f"{name}.old"):
-        path = run_dir / folder / "state.pt"
-        if path.exists():
-            try:
-                return torch.load(path, map_location="cpu", weights_only=True)
-            except pickle.UnpicklingError as exc:
-                found = re.search(r"GLOBAL ([\w.]+)", str(exc))  # what the file asked to import
-                first = f"it imports {found.group(1)}" if found else type(exc).__name__
-                raise UserError(f"{path}: refused: it holds more than tensors and plain values ({first}); "
-                                f"a cl-bench checkpoint never does, so it was not written by cl-bench") from None
-            except (EOFError, RuntimeError, OSError) as exc:
-                raise UserError(f"{path}: unreadable checkpoint ({type(exc).__name__}); the run cannot "
-                                f"resume from it: start it again under a new --run-id") from None
+    path = checkpoint_file(run_dir, name)
+    if path is not None:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            found = re.search(r"GLOBAL ([\w.]+)", str(exc))  # what the file asked to import
+            first = f"it imports {found.group(1)}" if found else type(exc).__name__
+            raise UserError(f"{path}: refused: it holds more than tensors and plain values ({first}); "
+                            f"a cl-bench checkpoint never does, so it was not written by cl-bench") from None
+        except (EOFError, RuntimeError, OSError) as exc:
+            raise UserError(f"{path}: unreadable checkpoint ({type(exc).__name__}); the run cannot "
+                            f"resume from it: start it again under a new --run-id") from None
     raise UserError(f"{run_dir}: no checkpoint to resume from (the run stopped before its "
                     f"first stage finished); start it again without --resume")

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cl_bench import results
+from cl_bench.checkpoint_shape import Loaded
 
 if TYPE_CHECKING:
     from cl_bench.prepare import Run
@@ -55,15 +56,30 @@ def _training_state(run: Run) -> dict[str, Any]:
     return state
 
 
-def _load_training_state(run: Run, state: dict[str, Any]) -> None:
-    run.method.load_state_dict(state["method"])  # may rebuild architecture first
-    run.method.model.load_state_dict(state["model"])
-    if state["optimizer"] is not None:
+def _loaded(run: Run, name: str) -> Loaded:
+    """The checkpoint `name` of the run, to be applied field by field (checkpoint_shape)."""
+    state = results.load_checkpoint(run.run_dir, name)
+    return Loaded(results.checkpoint_file(run.run_dir, name), state)
+
+
+def _load_training_state(run: Run, saved: Loaded) -> None:
+    """Weights, method and optimiser state and generator states, each checked against
+    the run's (one line naming the field otherwise)."""
+    with saved.applying("method"):
+        run.method.load_state_dict(saved.get("method", dict))  # may rebuild architecture first
+    run.method.model.load_state_dict(saved.check_weights(run.method.model))
+    groups = saved.optimizer_groups(run.method.model)
+    if groups is not None:
         params = dict(run.method.model.named_parameters())
-        groups = [{"params": [params[n] for n in names]} for names in state["optimizer"]["groups"]]
-        run.optimizer = run.method.make_optimizer(groups)
-        run.optimizer.load_state_dict(state["optimizer"]["state"])
-    results.set_rng_state(state["rng"])
+        with saved.applying("optimizer.groups"):
+            run.optimizer = run.method.make_optimizer([{"params": [params[n] for n in names]} for names in groups])
+        fresh = [dict(g) for g in run.optimizer.param_groups]
+        with saved.applying("optimizer.state"):
+            run.optimizer.load_state_dict(saved.state["optimizer"]["state"])
+        saved.check_optimizer(run.optimizer, fresh)
+    rng = saved.get("rng", dict)
+    with saved.applying("rng"):
+        results.set_rng_state(rng)
 
 
 def save(run: Run, stage_index: int) -> None:
@@ -96,7 +112,7 @@ class InStage:
     log_rows: list[dict]
     global_step: int
     train_s: float
-    state: dict[str, Any] | None = None  # as loaded (save_in_stage takes the run's own)
+    state: Loaded | None = None  # as loaded (save_in_stage takes the run's own)
 
 
 def save_in_stage(run: Run, at: InStage) -> None:
@@ -114,14 +130,18 @@ def load_in_stage(run: Run) -> InStage | None:
     removal, is removed)."""
     if not results.has_checkpoint(run.run_dir, results.STEP_CHECKPOINT_DIR):
         return None
-    saved = results.load_checkpoint(run.run_dir, results.STEP_CHECKPOINT_DIR)
-    if saved["stage"] != run.record.stages_done:
+    saved = _loaded(run, results.STEP_CHECKPOINT_DIR)
+    if saved.index("stage", 0, len(run.stages) - 1) != run.record.stages_done:
         run.backend.barrier()
         run.backend.on_main(lambda: results.remove_checkpoint(run.run_dir, results.STEP_CHECKPOINT_DIR))
         return None
-    keys = ("model", "method", "optimizer", "rng")
-    return InStage(saved["stage"], saved["phase"], saved["step"], saved["log_rows"], saved["global_step"],
-                   saved["train_s"], {k: saved[k] for k in keys})
+    log_rows = saved.get("log_rows", list)
+    if not all(isinstance(r, dict) and isinstance(r.get("step"), int) for r in log_rows):
+        raise saved.fail("log_rows", "must be the stage's step log rows (objects with an integer step)")
+    train_s = saved.get("train_s", (int, float))
+    return InStage(saved.index("stage", 0, len(run.stages) - 1), saved.index("phase", 0, 1 << 30),
+                   saved.index("step", 0, 1 << 30), log_rows, saved.index("global_step", 0, 1 << 62),
+                   float(train_s), saved)
 
 
 def enter_in_stage(run: Run, at: InStage) -> None:
@@ -163,15 +183,17 @@ def keep_zero_shot(old: RunRecord, new: RunRecord, run_dir: Path) -> list[dict]:
 def restore(run: Run, command: str) -> None:
     """The last checkpoint into the run; the record and the step log keep the stages
     it holds, and note the resume (`command`)."""
-    state = results.load_checkpoint(run.run_dir)
-    _load_training_state(run, state)
-    run.replay.load_state_dict(state["replay"], run.replay_sources)
-    if run.probe is not None and state.get("probe") is not None:
-        run.probe.load_state_dict(state["probe"])
-    if run.routing is not None and state.get("routing") is not None:
-        run.routing.load_state_dict(state["routing"])
-    done = state["stage"] + 1
+    saved = _loaded(run, results.CHECKPOINT_DIR)
     rec = run.record
+    hi = min(len(run.stages), rec.stages_done) - 1  # the record is written before the checkpoint
+    done = saved.index("stage", 0, hi) + 1
+    _load_training_state(run, saved)
+    with saved.applying("replay"):
+        run.replay.load_state_dict(saved.get("replay", dict), run.replay_sources)
+    for name, probe in (("probe", run.probe), ("routing", run.routing)):
+        if probe is not None and saved.state.get(name) is not None:
+            with saved.applying(name):
+                probe.load_state_dict(saved.state[name])
     for kind in (rec.probes or {}).values():  # what the interrupted stage recorded
         for key in [k for k in kind if int(k) >= done]:
             del kind[key]

@@ -22,7 +22,7 @@ import resource
 import time
 from typing import Any, Callable
 
-from cl_bench import precision, progress, results, run_state, signals
+from cl_bench import checkpoint_shape, precision, progress, results, run_state, signals
 from cl_bench.analysis.sharpness import expert_sharpness
 from cl_bench.data import collate, tokenize_train
 from cl_bench.errors import UserError
@@ -157,6 +157,8 @@ def _run_stage(run: Run, stage: Stage, stop: signals.Stop, at: run_state.InStage
     checkpoints = _InStageCheckpoints(run, stage, t0)
     method.before_task(stage)
     phases = method.phases(stage)
+    if at is not None and at.phase >= len(phases):
+        raise at.state.fail(f"phase={at.phase}", f"must be below the stage's {len(phases)} phases")
     replayed = n_steps = 0
     log_rows: list[dict] = list(at.log_rows) if at else []
     for p, phase in enumerate(phases):
@@ -236,6 +238,9 @@ def _train_phase(run: Run, stage: Stage, index: int, phase: Phase, desc: str, lo
     n_steps = sum(-(-len(rows) // t.batch_size) for rows in epochs)
     extra = {"phase": phase.name} if tag else {}
     start = n_steps if start is None else start
+    if start > n_steps:
+        raise UserError(f"{results.checkpoint_file(run.run_dir, results.STEP_CHECKPOINT_DIR)}: field step={start} "
+                        f"is beyond the phase's {n_steps} steps; {checkpoint_shape.FIX}")
     schedule = LrSchedule(run.optimizer, t.lr_schedule, t.warmup_ratio, n_steps)
     schedule.at(start)
     with progress.bar(n_steps, desc, "step", run.progress, run.backend.is_main, initial=start) as bar:
