@@ -41,7 +41,7 @@ def format_matrix(record: RunRecord, intervals: dict | None = None) -> str:
     zero_cells = None if zero is None else [
         with_ci(v, c) for v, c in zip(zero, iv.get("zero_shot_ci") or [None] * len(tasks))]
     cells = [[with_ci(v, c) for v, c in zip(row, ci)] for row, ci in zip(record.matrix, cis)]
-    out = [f"{record.method} on {record.model['id']} ({record.profile} profile, seed {record.seed})",
+    out = [f"{record.method} on {record.model.get('id', 'an unnamed model')} ({record.profile} profile, seed {record.seed})",
            _table(record, zero_cells, cells, ["after stage", *tasks])]
     summary = {**(record.summary or {}), **(iv.get("summary") or {})}
     sci = iv.get("summary_ci") or {}

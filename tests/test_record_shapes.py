@@ -131,7 +131,7 @@ def _another_task(run_dir):
 
 
 EDITS = [  # (case, edit of the run folder, what the one line says)
-    ("unknown task", _edit_record("tasks.1", "NoSuchTask"), "run.json: field tasks[1]='NoSuchTask' is not a TRACE task"),
+    ("unknown task", _edit_record("tasks.1", "NoSuchTask"), "run.json: field tasks=['NumGLUE-cm', 'NoSuchTask', '20Minuten'] differs"),
     ("another task", _another_task, "run.json: field tasks=['NumGLUE-cm', 'C-STANCE', "),
     ("unknown method", _edit_record("config.method", "nosuch"), "run.json: in field config: unknown method 'nosuch'"),
     ("another stage label", _edit_record("stages.1.label", "X"), "run.json: field stages differs from the 3 stages"),
