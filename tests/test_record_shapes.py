@@ -122,17 +122,20 @@ def _shrunk_weight(state):
     return {**state, "model": {**state["model"], key: state["model"][key][:1]}}
 
 
-def _another_task(run_dir):
-    """Py150 replaced by C-STANCE wherever the record names it: a known task, but not its config's."""
-    path = run_dir / results.RUN_FILE
-    config = json.loads(path.read_text())["config"]
-    record = json.loads(path.read_text().replace('"Py150"', '"C-STANCE"'))
-    path.write_text(json.dumps({**record, "config": config}))
+def _another_task(name):
+    """Py150 replaced by `name` wherever the record names it, but in its config."""
+    def edit(run_dir):
+        path = run_dir / results.RUN_FILE
+        config = json.loads(path.read_text())["config"]
+        record = json.loads(path.read_text().replace('"Py150"', f'"{name}"'))
+        path.write_text(json.dumps({**record, "config": config}))
+    return edit
 
 
 EDITS = [  # (case, edit of the run folder, what the one line says)
-    ("unknown task", _edit_record("tasks.1", "NoSuchTask"), "run.json: field tasks=['NumGLUE-cm', 'NoSuchTask', '20Minuten'] differs"),
-    ("another task", _another_task, "run.json: field tasks=['NumGLUE-cm', 'C-STANCE', "),
+    ("unknown task", _edit_record("tasks.1", "NoSuchTask"), "run.json: field stages[1] must have index 1 and tasks"),
+    ("unknown task everywhere", _another_task("NoSuchTask"), "run.json: field tasks=['NumGLUE-cm', 'NoSuchTask', "),
+    ("another task", _another_task("C-STANCE"), "run.json: field tasks=['NumGLUE-cm', 'C-STANCE', "),
     ("unknown method", _edit_record("config.method", "nosuch"), "run.json: in field config: unknown method 'nosuch'"),
     ("another stage label", _edit_record("stages.1.label", "X"), "run.json: field stages differs from the 3 stages"),
     ("short matrix row", _edit_record("matrix.0", [None]), "run.json: field matrix[0] must be a list of 3 values"),
