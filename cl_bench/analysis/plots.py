@@ -50,6 +50,15 @@ def _pyplot():
     return plt
 
 
+def text_colour(rgb) -> str:
+    """Black or white, whichever contrasts more with background `rgb` (0-1 floats): the
+    WCAG contrast ratio (L1 + 0.05) / (L2 + 0.05) of relative luminances
+    L = 0.2126 R + 0.7152 G + 0.0722 B over linearised sRGB (WCAG 2.1, "relative
+    luminance"); black wins where L > sqrt(1.05 * 0.05) - 0.05 ~ 0.179."""
+    r, g, b = ((c / 12.92) if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb[:3])
+    return "#000000" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.179 else "#ffffff"
+
+
 def _with_zero_shot(record: RunRecord, iv: dict | None):
     """(labels, matrix, intervals) with the zero-shot row first where the run has one."""
     import numpy as np
@@ -84,7 +93,7 @@ def heatmap(record: RunRecord, path: Path, iv: dict | None = None) -> Path:
         if np.isfinite(value):
             ci = cis[i][j]
             text = f"{value:.1f}" + (f"\n[{ci[0]:.0f}, {ci[1]:.0f}]" if ci else "")
-            ax.text(j, i, text, ha="center", va="center", color="white", fontsize=7)
+            ax.text(j, i, text, ha="center", va="center", color=text_colour(image.to_rgba(value)), fontsize=7)
     ax.set_xticks(range(len(tasks)), tasks, rotation=30, ha="right")
     ax.set_yticks(range(len(labels)), labels)
     ax.set_xlabel("task evaluated")
@@ -143,7 +152,7 @@ def forms(record: RunRecord, path: Path, iv: dict | None) -> Path | None:
     image = ax.imshow(share, cmap="magma", vmin=0, vmax=100)
     for (i, j), value in np.ndenumerate(share):
         if np.isfinite(value):
-            ax.text(j, i, f"{value:.0f}%", ha="center", va="center", color="white" if value < 60 else "black",
+            ax.text(j, i, f"{value:.0f}%", ha="center", va="center", color=text_colour(image.to_rgba(value)),
                     fontsize=8)
     ax.set_xticks(range(len(tasks)), tasks, rotation=30, ha="right")
     ax.set_yticks(range(len(labels)), labels)

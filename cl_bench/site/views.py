@@ -98,8 +98,10 @@ def _colour(value: float | None) -> tuple[str, str]:
     import matplotlib
     from matplotlib.colors import to_hex
 
-    background = to_hex(matplotlib.colormaps["viridis"](min(max(value / 100, 0.0), 1.0)))
-    return background, "#000000" if value > 55 else "#ffffff"
+    from cl_bench.analysis.plots import text_colour
+
+    rgba = matplotlib.colormaps["viridis"](min(max(value / 100, 0.0), 1.0))
+    return to_hex(rgba), text_colour(rgba)
 
 
 def _ci_text(ci) -> str:

@@ -205,3 +205,32 @@ def test_analyze_draws_intervals_tasks_and_forms_from_the_predictions(tmp_path):
     (run / "predictions.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preds))
     assert [p.name for p in analyze(run)] == ["heatmap.png", "tasks.png", "forms.png"]
     assert all(_png(run / n) for n in ("tasks.png", "forms.png"))
+
+
+def test_every_figure_text_contrasts_with_its_cell(tmp_path, monkeypatch):
+    """The heatmap's numbers are black on its light cells and white on its dark ones:
+    each text's WCAG contrast with its cell is at least 4.5 (AA), the brightest cell
+    included (mutation caught: white text everywhere, the heatmap as it was)."""
+    import matplotlib.axes
+    import matplotlib.colors
+
+    from cl_bench.analysis import plots
+
+    def luminance(rgb):
+        lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb[:3]]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+    texts, real = [], matplotlib.axes.Axes.text
+    monkeypatch.setattr(matplotlib.axes.Axes, "text", lambda self, x, y, s, **kw: (
+        texts.append((self, x, y, kw.get("color"))), real(self, x, y, s, **kw))[1])
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps(_record()))
+    analyze(run)
+    assert len(texts) == 3  # the three scored cells
+    for ax, x, y, colour in texts:
+        image = ax.get_images()[0]
+        cell = image.to_rgba(image.get_array()[y, x])
+        lighter, darker = sorted((luminance(cell), luminance(matplotlib.colors.to_rgb(colour))), reverse=True)
+        assert (lighter + 0.05) / (darker + 0.05) >= 4.5, (x, y, colour)
+    assert plots.text_colour(matplotlib.colormaps["viridis"](1.0)) == "#000000"  # the site's brightest cell
