@@ -31,7 +31,7 @@ from pathlib import Path  # noqa: E402
 
 from cl_bench import signals  # noqa: E402
 from cl_bench.cli_parser import RUN_CONFIG_FLAGS, build_parser, run_overrides  # noqa: E402
-from cl_bench.errors import UserError  # noqa: E402
+from cl_bench.errors import UserError, program  # noqa: E402
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -81,7 +81,7 @@ def _interrupted(run) -> str:
     or, with none yet, starts the run again in its folder."""
     from cl_bench.results import STEP_CHECKPOINT_DIR, has_checkpoint
 
-    again = f"cl-bench run --resume {run.run_dir}"
+    again = f"{program()} run --resume {run.run_dir}"
     done, total = run.record.stages_done, len(run.stages)
     if has_checkpoint(run.run_dir, STEP_CHECKPOINT_DIR):
         return (f"interrupted; {done} of {total} stages are saved, and stage {done + 1} up to its last in-stage "

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cl_bench.errors import UserError
+from cl_bench.errors import UserError, program
 from cl_bench.record import RunRecord
 
 RUN_FILE = "run.json"
@@ -117,10 +117,24 @@ def append_metrics(run_dir: Path, rows: list[dict]) -> None:
         raise _cannot_write(run_dir, exc) from None
 
 
+def _write_failure(exc: Exception, folder: Path) -> str:
+    """Why a write failed, in words: the OS's reason, or for torch.save's RuntimeError
+    ("[enforce fail at inline_container.cc:N] . PytorchStreamWriter failed writing file
+    data/3: file write failed") its last clause and the space left on that disk."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    last = str(exc).splitlines()[0].rsplit(": ", 1)[-1] if str(exc) else type(exc).__name__
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return last
+    return f"{last}; {free / 2**20:.0f} MiB free on its disk"
+
+
 def _cannot_write(run_dir: Path, exc: Exception) -> UserError:
     reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
     return UserError(f"{run_dir}: cannot write the run's files ({reason}); the last checkpoint is "
-                     f"kept: free space or fix permissions, then cl-bench run --resume {run_dir}")
+                     f"kept: free space or fix permissions, then {program()} run --resume {run_dir}")
 
 
 def ensure_writable(directory: Path) -> None:
@@ -251,8 +265,8 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any], name: str = CHECKPOINT
         torch.save(state, staging / "state.pt")
     except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as RuntimeError
         shutil.rmtree(staging, ignore_errors=True)
-        raise UserError(f"{staging}: cannot write the checkpoint ({str(exc).splitlines()[0]}); the "
-                        f"previous one is kept: free space, then cl-bench run --resume {run_dir}") from None
+        raise UserError(f"{staging}: cannot write the checkpoint ({_write_failure(exc, run_dir)}); the "
+                        f"previous one is kept: free space, then {program()} run --resume {run_dir}") from None
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)

@@ -296,7 +296,8 @@ FAILED = [  # (case, patch, extra flags, stages checkpointed, stages_done record
     # 1 when the run starts, 2 after stage 1, 3 after stage 2)
     ("disk full once", lambda mp: _disk_full(mp, {3}), (), 1, 2, "(No space left on device)", "failed"),
     ("disk stays full", lambda mp: _disk_full(mp, {3, 4}), (), 1, 1, "(No space left on device)", "running"),
-    ("checkpoint disk full", _checkpoint_disk_full, (), 1, 2, "cannot write the checkpoint", "failed"),
+    ("checkpoint disk full", _checkpoint_disk_full, (), 1, 2, "cannot write the checkpoint (file write failed; ",
+     "failed"),
 ]
 
 
@@ -316,7 +317,7 @@ def test_a_failing_stage_is_recorded_and_keeps_the_last_checkpoint(trace_dir, tm
     capsys.readouterr()
     assert run_cli(*smoke_args(trace_dir, out, "--run-id", "r", *extra)) == 2
     err = _one_line(capsys)
-    assert message in err, err
+    assert message in err and "enforce fail" not in err and "PytorchStreamWriter" not in err, err
     run_dir = out / "r"
     record = json.loads((run_dir / "run.json").read_text())
     assert record["status"] == status and record["stages_done"] == done
@@ -394,12 +395,24 @@ def test_resume_of_a_folder_without_its_stage_checkpoint_refuses_and_changes_not
 
 # ---- an interrupt says what it leaves, and --resume does what it said ----------
 
-@pytest.mark.parametrize("at_stage, message", [
-    (0, "interrupted before the first stage was saved; nothing to keep; start it again with: cl-bench run --resume"),
-    (1, "interrupted; 1 of 3 stages are saved; continue with: cl-bench run --resume"),
+@pytest.mark.parametrize("at_stage, message, venv", [
+    (0, "interrupted before the first stage was saved; nothing to keep; start it again with: cl-bench run --resume",
+     False),
+    (1, "interrupted; 1 of 3 stages are saved; continue with: cl-bench run --resume", False),
+    # started as `make main` starts it, its venv not activated: the line names the program's path
+    (1, "interrupted; 1 of 3 stages are saved; continue with: .venv/bin/cl-bench run --resume", True),
 ])
 @pytest.mark.slow
-def test_interrupt_message_is_true_and_resume_finishes(trace_dir, tmp_path, monkeypatch, capsys, at_stage, message):
+def test_interrupt_message_is_true_and_resume_finishes(trace_dir, tmp_path, monkeypatch, capsys, at_stage, message,
+                                                       venv):
+    if venv:
+        script = tmp_path / ".venv" / "bin" / "cl-bench"
+        script.parent.mkdir(parents=True)
+        script.write_text("#!/bin/sh\n")
+        script.chmod(0o755)
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setattr(sys, "argv", [".venv/bin/cl-bench"])
+        monkeypatch.setenv("PATH", "/usr/bin:/bin")
     capsys.readouterr()
     run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, tmp_path / "runs"), at_stage=at_stage)
     err = _one_line(capsys)
