@@ -63,7 +63,20 @@ def cmd_run(args) -> int:
             code, interrupted = launch(args)
             return EXIT_INTERRUPTED if interrupted else code
     stop.check()
-    run = prepare(config, args.resume, progress=not args.no_progress, command=args.command_line)
+    started: list[Path] = []
+    named = config is not None and config.run_id is not None  # by --run-id or the config file
+    try:
+        run = prepare(config, args.resume, progress=not args.no_progress, command=args.command_line,
+                      on_start=lambda run_dir, *rest: (started.append(run_dir), _announce(run_dir, *rest)))
+    except KeyboardInterrupt:
+        from cl_bench.results import RUN_FILE
+
+        if not started or (started[0] / RUN_FILE).exists():
+            raise
+        again = shlex.split(args.command_line)[1:] + ([] if named else ["--run-id", started[0].name])
+        print(f"\ninterrupted before the run's record was written; nothing to keep; start it again (its folder "
+              f"counts as empty) with: {program()} {shlex.join(again)}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     try:
         record = execute(run, keep_checkpoint=args.keep_checkpoint, stop=stop)
     except KeyboardInterrupt:
@@ -74,6 +87,16 @@ def cmd_run(args) -> int:
         print(format_matrix(record, record.intervals))
         print(f"\nrun record: {run.run_dir / 'run.json'}")
     return 0
+
+
+def _announce(run_dir: Path, config, method_args, record) -> None:
+    """The first lines of a run: where it writes, and how long it should take."""
+    from cl_bench.campaign.estimate import for_run
+
+    print(f"run folder: {run_dir}", flush=True)
+    left = for_run(config, method_args, record.stages_done if record else 0,
+                   bool(record and record.zero_shot is not None))
+    print(f"estimated time{' left' if record else ''}: {left}", flush=True)
 
 
 def _interrupted(run) -> str:

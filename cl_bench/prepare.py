@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -75,11 +75,13 @@ def new_run_id(method: str) -> str:
 
 
 def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: bool = True,
-            command: str | None = None) -> Run:
+            command: str | None = None, on_start: Callable[..., None] | None = None) -> Run:
     """Validate, load data and model, set the method up; with `resume_dir`, the
     config comes from that run's record and its checkpoint is restored.
     Everything that can be checked without a model is checked first. `command`:
-    the command line to record (default: this process's)."""
+    the command line to record (default: this process's). `on_start(run_dir, config,
+    method_args, record)`, on the main rank, once the run folder is claimed (or locked,
+    for a resume: `record` is then the recorded one), before data and model load."""
     t_start = time.perf_counter()
     command = command or shlex.join(["cl-bench", *sys.argv[1:]])
     if resume_dir is not None:
@@ -87,6 +89,13 @@ def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: 
             record = resumable(results.read_record(resume_dir), resume_dir)
         except UserError:
             if (resume_dir / results.LOCK_FILE).is_file():  # a run starting there, before its first record?
+                from cl_bench.campaign.plan import is_running
+
+                if not is_running(resume_dir) and [p.name for p in resume_dir.iterdir()] == [results.LOCK_FILE]:
+                    raise UserError(f"{resume_dir}: the run stopped before its record was written, so there is "
+                                    f"nothing to resume; start it again with its own flags and --run-id "
+                                    f"{resume_dir.name} --output-dir {resume_dir.parent} (a folder holding only "
+                                    f"{results.LOCK_FILE} counts as empty)") from None
                 results.lock_run(resume_dir).close()  # if so, this names its PID
             raise
         with _naming_the_record(resume_dir / results.RUN_FILE):
@@ -104,6 +113,8 @@ def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: 
     else:
         backend.on_main(lambda: held.append(results.lock_run(run_dir)))
     try:
+        if on_start is not None:
+            backend.on_main(lambda: on_start(run_dir, config, method_args, record if resume_dir else None))
         run = _prepare_locked(config, resume_dir, run_dir, record if resume_dir is not None else None,
                               method_cls, method_args, data_dir, backend, progress, command, t_start)
     except BaseException:

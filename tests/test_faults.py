@@ -180,6 +180,12 @@ def _score_pooled(ctx):
     return ["score", "--task", "NumGLUE-cm", "--predictions", run_dir / "predictions.jsonl"], run_dir, None
 
 
+def _stopped_before_its_record(ctx):  # what a stop while the model loads leaves: the lock file alone
+    (ctx.tmp / "runs" / "r1").mkdir(parents=True)
+    (ctx.tmp / "runs" / "r1" / results.LOCK_FILE).write_text("12345\n")
+    return ["run", "--resume", ctx.tmp / "runs" / "r1"], ctx.tmp / "runs", "--run-id r1 --output-dir"
+
+
 def _duplicate_key(ctx):
     (ctx.tmp / "my.yaml").write_text("train:\n  epochs: 1\n  lr_schedule: constant\n  epochs: 2\n")
     return smoke_args(ctx.trace, ctx.tmp / "runs", "--config", ctx.tmp / "my.yaml"), ctx.tmp, None
@@ -206,6 +212,7 @@ REFUSED = [  # (case, setup, message)
     ("locked, fresh start", _locked_fresh, "in use by another cl-bench process"),
     ("locked, resume", _locked_resume, "in use by another cl-bench process"),
     ("locked, resume before a record", _locked_starting, "in use by another cl-bench process"),
+    ("resume, stopped before a record", _stopped_before_its_record, "stopped before its record was written"),
     ("lr nan", _fresh("--method-arg", "lr=nan"), "method_args.lr=nan must be a finite number > 0"),
     ("lr -1", _fresh("--method-arg", "lr=-1"), "method_args.lr=-1.0 must be a finite number > 0"),
     ("lr inf", _fresh("--method-arg", "lr=inf"), "method_args.lr=inf must be a finite number > 0"),

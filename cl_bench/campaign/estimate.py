@@ -184,3 +184,27 @@ def planned_work(config, method_args) -> Work:
     zero = sum(cost) if ev.eval_all or ev.zero_shot else 0
     trained_in = precision.resolve(config.train.precision, torch.device("cpu"))
     return Work(steps, budget, zero, shape(config.to_dict(), trained_in))
+
+
+RECORDS = Path(__file__).resolve().parents[2] / "results"  # the committed records, in a checkout
+
+
+def for_run(config, method_args, stages_done: int = 0, zero_shot_done: bool = False,
+            records: Path | None = None) -> str:
+    """What `cl-bench run` says at its start: the time left for `config`, as the campaign
+    estimates it (module docstring), at one thread as the records ran, with the records it
+    comes from; "~" and "scaled" where no record has this method at this step shape."""
+    from cl_bench.errors import UserError
+
+    records = RECORDS if records is None else records
+    try:
+        work = planned_work(config, method_args)
+    except UserError as e:
+        return f"no estimate ({e})"
+    rates = Timings(records, records).rates(config.method, work.at) if records.is_dir() else None
+    if rates is None:
+        return (f"no estimate (no complete record of this step shape, {work.at[0]} in {work.at[1]}, "
+                f"under {records})")
+    minutes = work.seconds(rates, stages_done, zero_shot_done) / 60
+    shown = f"{minutes / 60:.1f} h" if minutes >= 90 else f"{minutes:.0f} min"
+    return f"{'~' if rates.scaled else ''}{shown} at one thread ({rates.source})"
