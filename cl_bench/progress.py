@@ -7,11 +7,19 @@ output going to a log file), a log line at most every EVERY_S seconds:
 The rate is over the steps this process has taken (a resumed stage's earlier steps
 are counted as done, not as fast). The last update logs nothing: the stage's own
 "done in" line follows. Off the main rank nothing is shown or logged.
+
+Evaluation counts items when a batch of them is scored, and a batch of long prompts
+can take minutes on a CPU; `decoding` shows where the batch in progress stands, from
+the model's forward calls (prompt, then each new token), at most every TICK_S seconds:
+
+    zero-shot eval:   0%|          | 0/385 [00:41<?, ?ex/s, MeetingBank: token 12/64]
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any, Callable
 
 from tqdm import tqdm
@@ -19,6 +27,7 @@ from tqdm import tqdm
 log = logging.getLogger(__name__)
 
 EVERY_S = 180.0
+TICK_S = 0.5
 
 
 class LoggedProgress:
@@ -34,12 +43,21 @@ class LoggedProgress:
     def set_postfix(self, values: dict[str, Any]) -> None:
         self.postfix = ", ".join(f"{k}={v}" for k, v in values.items())
 
+    def set_postfix_str(self, text: str) -> None:
+        """Where the unit in progress stands (`decoding`); logged once the interval has passed."""
+        self.postfix = text
+        self.update(0)
+
     def update(self, n: int = 1) -> None:
         self.n += n
         now = self.clock()
         if self.n >= self.total or now - self.last_t < self.every_s:
             return
         self.last_t = now
+        if self.n == self.start_n:  # none done here yet (`decoding`'s first batch): no rate to give
+            log.info("%s: %d/%d %s, %s in%s", self.desc, self.n, self.total, self.unit,
+                     _duration(now - self.start_t), f"; {self.postfix}" if self.postfix else "")
+            return
         per = (now - self.start_t) / max(self.n - self.start_n, 1)
         left = (self.total - self.n) * per
         log.info("%s: %d/%d %s (%d%%), %.1f s/%s, ~%s left%s", self.desc, self.n, self.total, self.unit,
@@ -62,3 +80,34 @@ def bar(total: int, desc: str, unit: str, show: bool, main: bool, initial: int =
     if show or not main:
         return tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=not show, leave=leave)
     return LoggedProgress(total, desc, unit, initial)
+
+
+@contextlib.contextmanager
+def decoding(model, bar) -> Iterator[Callable[[str, int], None]]:
+    """Within-batch progress of generation on `bar`: a forward pre-hook on `model` counts
+    its calls (one over the prompts, then one per new token: cl_bench/generation.py)
+    and sets the bar's postfix, at most every TICK_S seconds. Yields `task(name,
+    max_new_tokens)`, to call before each task's generation."""
+    state = {"task": "", "budget": 0, "token": 0, "shown": 0.0}
+
+    def task(name: str, budget: int) -> None:
+        state.update(task=name, budget=budget, token=0)
+
+    def hook(module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            return
+        state["token"] = 0 if ids.shape[-1] > 1 else state["token"] + 1  # (B, L): the prompts; (B, 1): a token
+        now = time.monotonic()
+        if now - state["shown"] < TICK_S:
+            return
+        state["shown"] = now
+        # the call over the prompts yields token 1; decoding call k, token k + 1
+        where = "reading the prompts" if state["token"] == 0 else f"token {state['token'] + 1}/{state['budget']}"
+        bar.set_postfix_str(f"{state['task']}: {where}")
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield task
+    finally:
+        handle.remove()

@@ -26,7 +26,7 @@ from cl_bench import checkpoint_shape, precision, progress, results, run_state, 
 from cl_bench.analysis.sharpness import expert_sharpness
 from cl_bench.data import collate, tokenize_train
 from cl_bench.errors import UserError
-from cl_bench.evaluation import evaluate_task
+from cl_bench.evaluation import evaluate_task, max_new_tokens
 from cl_bench.general.lima import ZERO_SHOT as LIMA_ZERO_SHOT
 from cl_bench.general.lima import measured
 from cl_bench.intervals import run_intervals
@@ -282,12 +282,14 @@ def _evaluate(run: Run, stage_label: str, indices: list[int], model, stop: signa
     total = sum(len(run.tasks[j].test) for j in indices)
     out = {}
     with progress.bar(total, f"{stage_label} eval", "ex", run.progress, run.backend.is_main,
-                      leave=False) as bar, precision.evaluation(run.backend.eval_precision, run.backend.device, model):
+                      leave=False) as bar, precision.evaluation(run.backend.eval_precision, run.backend.device, model), \
+            progress.decoding(model, bar) as decoding:
         def batch_done(n: int) -> None:
             bar.update(n)
             stop.check()
 
         for j in indices:
+            decoding(run.tasks[j].name, max_new_tokens(run.tasks[j].spec, run.config.eval))
             out[j] = evaluate_task(model, run.encoder, run.tasks[j], run.config.eval, batch_done,
                                    run.backend.generate)
             if task_done is not None:

@@ -39,9 +39,37 @@ def test_a_run_without_bars_logs_its_training_and_evaluation(tmp_path, monkeypat
     stage's training and evaluation stand. Mutation caught: with bars off, the silent
     bar (nothing logged between a stage's start and its end)."""
     monkeypatch.setattr(progress, "EVERY_S", 0.0)
+    monkeypatch.setattr(progress, "TICK_S", 0.0)
     trace_dir = make_trace(tmp_path / "trace")
     with caplog.at_level(logging.INFO, logger="cl_bench.progress"):
         assert run_cli(*smoke_args(trace_dir, tmp_path / "runs")) == 0
     lines = [r.getMessage() for r in caplog.records if r.name == "cl_bench.progress"]
     assert any(" train: " in line and " step (" in line and "left" in line for line in lines), lines
     assert any(" eval: " in line and " ex (" in line for line in lines), lines
+    # and inside a batch, before its items are counted: where the batch is (the tiny model
+    # stops at EOS at once here; test_decoding_shows... follows the tokens)
+    assert any(" eval: 0/" in line and " in; NumGLUE-cm: reading the prompts" in line for line in lines), lines
+
+
+def test_decoding_shows_where_a_batch_stands_before_it_is_scored(monkeypatch):
+    """Within one batch of greedy decoding, the bar says the prompts are read, then each
+    token as it is computed, for the task named; nothing after the hook is removed.
+    Mutations caught: no hook (the bar silent until the batch ends, as the zero-shot
+    row's first batch was for minutes); tokens not reset at a new batch's prompts."""
+    import torch
+
+    from cl_bench.generation import greedy_generate
+    from cl_bench.models.loading import tiny_llama
+
+    monkeypatch.setattr(progress, "TICK_S", 0.0)
+    model, _, _ = tiny_llama(0)
+    shown = []
+    bar = type("Bar", (), {"set_postfix_str": lambda self, text: shown.append(text)})()
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    with progress.decoding(model, bar) as task:
+        task("Py150", 4)
+        greedy_generate(model, prompts, 4, eos_id=-1, pad_id=0, batch_size=1)
+    assert shown == ["Py150: reading the prompts", "Py150: token 2/4", "Py150: token 3/4", "Py150: token 4/4"] * 2
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6]]))
+    assert len(shown) == 8
