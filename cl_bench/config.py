@@ -380,6 +380,17 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def field_hint(key: str) -> str:
+    """For a name given as a method argument that is a field of a config section (or
+    close to one): "'epochs' is a config field: --set train.epochs=VALUE; ", else ""."""
+    import difflib
+
+    fields = {f.name: f"{section.name}.{f.name}" for section in dataclasses.fields(RunConfig)
+              if dataclasses.is_dataclass(section.default_factory) for f in dataclasses.fields(section.default_factory)}
+    close = difflib.get_close_matches(key, fields, n=1, cutoff=0.8) if key not in fields else [key]
+    return f"'{close[0]}' is a config field: --set {fields[close[0]]}=VALUE; " if close else ""
+
+
 def load_yaml(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text()

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from cl_bench.config import RunConfig, coerce
+from cl_bench.config import ReplayConfig, RunConfig, coerce, field_hint
 from cl_bench.data import Encoder
 from cl_bench.errors import UserError, did_you_mean
 
@@ -143,8 +143,12 @@ class Method:
         values = {}
         for key, value in raw.items():
             if key not in names:
-                raise UserError(f"method '{cls.name}' has no argument '{key}'; {did_you_mean(key, names)}"
-                                f"its arguments: {', '.join(names)}")
+                hint = field_hint(key) or did_you_mean(key, names)
+                buffer = ("; the replay buffer is the harness's: --set replay."
+                          + "|".join(f.name for f in dataclasses.fields(ReplayConfig)) + "=VALUE"
+                          if cls.uses_replay else "")
+                raise UserError(f"method '{cls.name}' has no argument '{key}'; {hint}"
+                                f"its arguments: {', '.join(names)}{buffer}")
             values[key] = coerce(value, hints[key], f"method_args.{key}")
         return cls.Args(**values)
 

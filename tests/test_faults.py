@@ -213,6 +213,11 @@ REFUSED = [  # (case, setup, message)
     ("locked, resume", _locked_resume, "in use by another cl-bench process"),
     ("locked, resume before a record", _locked_starting, "in use by another cl-bench process"),
     ("resume, stopped before a record", _stopped_before_its_record, "stopped before its record was written"),
+    ("replay buffer as a method argument", _fresh("--method", "replay", "--method-arg", "buffer=10"),
+     "has no argument 'buffer'; its arguments: lr, weight_decay, beta1, beta2; the replay buffer is the harness's: "
+     "--set replay.fraction|per_task|policy|lima=VALUE"),
+    ("config field as a method argument", _fresh("--method-arg", "epochs=2"),
+     "has no argument 'epochs'; 'epochs' is a config field: --set train.epochs=VALUE;"),
     ("lr nan", _fresh("--method-arg", "lr=nan"), "method_args.lr=nan must be a finite number > 0"),
     ("lr -1", _fresh("--method-arg", "lr=-1"), "method_args.lr=-1.0 must be a finite number > 0"),
     ("lr inf", _fresh("--method-arg", "lr=inf"), "method_args.lr=inf must be a finite number > 0"),
