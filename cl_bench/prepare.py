@@ -126,21 +126,9 @@ def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: 
 
 
 def _checked(config: RunConfig) -> tuple[type, Any, Path]:
-    """What can be checked without a model: the method's class, its arguments, the
-    data folder."""
-    method_cls = _method_class(config.method)
-    check_support(method_cls, config)
-    t = config.train  # the lr schedule the run records: the config's, else the method's
-    kind, warmup = method_cls.lr_schedule
-    t.lr_schedule = kind if t.lr_schedule is None else t.lr_schedule
-    t.warmup_ratio = warmup if t.warmup_ratio is None else t.warmup_ratio
-    method_args = method_cls.parse_args(method_cls.args_for(config))
-    for key, lr in dataclasses.asdict(method_args).items():  # lr, and any other learning rate (*_lr)
-        if (key == "lr" or key.endswith("_lr")) and isinstance(lr, float) and not (math.isfinite(lr) and lr > 0):
-            raise UserError(f"method_args.{key}={lr} must be a finite number > 0, e.g. --method-arg {key}=3e-4")
-    resolve_order(config.data.order)
-    check_per_task(config, list(CL_TASKS))
-    _check_model(config.model)
+    """What can be checked without a model: the method's class, its arguments (`checked`),
+    the data folder."""
+    method_cls, method_args = checked(config)
     return method_cls, method_args, resolve_data_dir(config.data.data_dir)
 
 
@@ -222,6 +210,27 @@ def _prepare_locked(config, resume_dir, run_dir, record, method_cls, method_args
         run_state.write_files(run)
     backend.barrier()  # every rank has read what rank 0 is about to rewrite
     return run
+
+
+def checked(config: RunConfig) -> tuple[type, Any]:
+    """The checks of a config that need neither data nor model (`run`, and `campaign`
+    for every line of its plan): the method, its arguments and backend, the order, the
+    per-task fields, the model's name. Returns (method class, parsed arguments); fills
+    the config's lr schedule from the method's where the config leaves it unset."""
+    method_cls = _method_class(config.method)
+    check_support(method_cls, config)
+    t = config.train  # the lr schedule the run records: the config's, else the method's
+    kind, warmup = method_cls.lr_schedule
+    t.lr_schedule = kind if t.lr_schedule is None else t.lr_schedule
+    t.warmup_ratio = warmup if t.warmup_ratio is None else t.warmup_ratio
+    method_args = method_cls.parse_args(method_cls.args_for(config))
+    for key, lr in dataclasses.asdict(method_args).items():  # lr, and any other learning rate (*_lr)
+        if (key == "lr" or key.endswith("_lr")) and isinstance(lr, float) and not (math.isfinite(lr) and lr > 0):
+            raise UserError(f"method_args.{key}={lr} must be a finite number > 0, e.g. --method-arg {key}=3e-4")
+    resolve_order(config.data.order)
+    check_per_task(config, list(CL_TASKS))
+    _check_model(config.model)
+    return method_cls, method_args
 
 
 def resumable(record: RunRecord, resume_dir: Path) -> RunRecord:

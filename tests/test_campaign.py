@@ -244,13 +244,29 @@ def test_a_resumed_run_takes_the_commit_it_started_from_and_says_what_the_line_c
     ("results/x: --profile smoke --set 'a=b", "cannot split the flags (No closing quotation)"),
     ("results/x: --profile smoke --method nope", "unknown method 'nope'"),
     ("results/x: --profile smoke --no-such-flag", "these are not `cl-bench run` flags"),
+    # flags `run` refuses before loading anything are refused here too, not at launch
+    ("results/x: --profile smoke --method-arg lr=-1", "method_args.lr=-1.0 must be a finite number > 0"),
+    ("results/x: --profile smoke --order nope", "nope"),
+    ("../../../x: --profile smoke", "'../../../x' has a '.' or '..' part; name the run folder plainly"),
+    ("results/..: --profile smoke", "'results/..' has a '.' or '..' part"),
 ])
 def test_a_bad_plan_line_is_one_message_naming_the_line(tmp_path, capsys, line, says):
     path = tmp_path / "plan.txt"
     path.write_text(f"# header\n{line}\n")
+    before = sorted(p for p in tmp_path.rglob("*"))
     assert campaign(*here(str(path))) == 2
     err = capsys.readouterr().err.splitlines()[-1]
     assert err.startswith(f"error: {path}:2: ") and says in err and "Traceback" not in err
+    assert sorted(p for p in tmp_path.rglob("*")) == before and not (tmp_path / "x").exists()
+
+
+def test_runs_of_the_same_id_in_two_folders_log_apart(tmp_path):
+    """a/x and b/x are two runs: two logs (mutation caught: logs keyed by the run id)."""
+    path = tmp_path / "plan.txt"
+    path.write_text("results/a/x: --profile smoke\nresults/b/x: --profile smoke\n/abs/c/x: --profile smoke\n")
+    logs = [e.log_path(tmp_path) for e in read_plan(path)]
+    assert [p.name for p in logs] == ["results__a__x.log", "results__b__x.log", "abs__c__x.log"]
+    assert {p.parent for p in logs} == {tmp_path / ".campaign" / "logs"}
 
 
 def test_an_unreadable_record_is_one_message(plan, capsys):

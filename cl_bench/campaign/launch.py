@@ -5,7 +5,7 @@ resumes the run from its last checkpoint, in-stage ones included).
 
 Each run is `python -P -m cl_bench.cli run ...` from the repository root with the
 clone of its commit first on PYTHONPATH (-P: the working directory, the live
-tree, does not go first on sys.path); logs go to .campaign/logs/<run id>.log.
+tree, does not go first on sys.path); logs go to .campaign/logs/<run folder, '/' as '__'>.log.
 """
 from __future__ import annotations
 
@@ -86,8 +86,6 @@ def run_local(todo: list[tuple[Entry, str, Path]], root: Path, slots: int, threa
     With `budget`, the first run in plan order that fits what is left of it takes a
     free slot; once none does and none of these runs is running, the rest are listed
     and left for the next campaign."""
-    logs = root / ".campaign" / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
     running: dict[subprocess.Popen, tuple[Entry, float]] = {}
     failed = 0
 
@@ -99,13 +97,14 @@ def run_local(todo: list[tuple[Entry, str, Path]], root: Path, slots: int, threa
             busy = sum(1 for folder in elsewhere if is_running(folder))
             while len(running) + busy < slots and (i := startable()) is not None:
                 entry, what, code = todo.pop(i)
-                with open(logs / f"{entry.run_id}.log", "a", encoding="utf-8") as log:
+                entry.log_path(root).parent.mkdir(parents=True, exist_ok=True)
+                with open(entry.log_path(root), "a", encoding="utf-8") as log:
                     # its own session: a Ctrl-C reaches the campaign, which passes one SIGINT on
                     proc = subprocess.Popen(command(entry, what == "resume"), cwd=root,
                                             env=environment(code, threads), stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
                 running[proc] = (entry, time.monotonic())
-                print(f"{_now()} {what} {entry.run_dir} (log {logs / entry.run_id}.log)", flush=True)
+                print(f"{_now()} {what} {entry.run_dir} (log {entry.log_path(root)})", flush=True)
             time.sleep(POLL_S)
             for proc in [q for q in running if q.poll() is not None]:
                 entry, start = running.pop(proc)
@@ -189,9 +188,9 @@ class RunJob:
         resume = record.is_file()  # decided now: a requeued job continues its run
         if resume and json.loads(record.read_text(encoding="utf-8")).get("status") == "complete":
             return 0
-        logs = self.root / ".campaign" / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        with open(logs / f"{self.entry.run_id}.log", "a", encoding="utf-8") as log:
+        log_path = self.entry.log_path(self.root)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a", encoding="utf-8") as log:
             # the run ignores the preemption signals: the job stops it with SIGTERM (checkpoint)
             self._proc = subprocess.Popen(command(self.entry, resume), cwd=self.root,
                                           env=environment(self.code, self.threads), stdout=log,
@@ -200,8 +199,7 @@ class RunJob:
                 time.sleep(POLL_S)
             rc = self._proc.returncode
         if rc != 0:
-            raise RuntimeError(f"{self.entry.run_dir}: cl-bench run exited {rc}; see "
-                               f"{logs / self.entry.run_id}.log")
+            raise RuntimeError(f"{self.entry.run_dir}: cl-bench run exited {rc}; see {log_path}")
         return rc
 
     def checkpoint(self, *args, **kwargs):

@@ -38,6 +38,11 @@ class Entry:
     def record_path(self, root: Path) -> Path:
         return self.folder(root) / results.RUN_FILE
 
+    def log_path(self, root: Path) -> Path:
+        """root/.campaign/logs/<run folder, its '/' as '__'>.log: one log a planned folder
+        (a/x and b/x are two runs, so two logs)."""
+        return root / ".campaign" / "logs" / ("__".join(p for p in self.run_dir.parts if p != "/") + ".log")
+
 
 def read_plan(path: Path) -> list[Entry]:
     """The plan's entries; a malformed line is one message naming the file, the line and the fix."""
@@ -54,6 +59,9 @@ def read_plan(path: Path) -> list[Entry]:
             raise UserError(f"{path}:{n}: cannot split the flags ({e}); check the quotes") from None
         if not sep or "/" not in target or "#" in target or not flags:
             raise UserError(f"{path}:{n}: write '<output dir>/<run id>: <cl-bench run flags>', got {raw.strip()!r}")
+        if any(part in (".", "..") for part in target.split("/")):
+            raise UserError(f"{path}:{n}: '{target}' has a '.' or '..' part; name the run folder plainly, inside "
+                            f"the repository (or as an absolute path)")
         given = sorted({f.split("=", 1)[0] for f in flags} & set(GIVEN_BY_LINE))
         if given:
             raise UserError(f"{path}:{n}: drop {', '.join(given)}: the line's '{target}:' gives the folder")
@@ -104,16 +112,16 @@ def planned(entry: Entry):
     """The RunConfig the line asks for, and its method's parsed arguments, checked as
     `cl-bench run` checks them (a UserError for flags `run` lacks)."""
     from cl_bench import config as cfg
-    from cl_bench import registry
     from cl_bench.cli_parser import build_parser, run_overrides
+    from cl_bench.prepare import checked
 
     try:
         args = build_parser().parse_args(["run", *entry.flags])
     except SystemExit:  # argparse printed why
         raise UserError("these are not `cl-bench run` flags (the message above says which)") from None
     config = cfg.resolve("cpu", args.config, run_overrides(args))
-    method = registry.get(config.method)
-    return config, method.parse_args(method.args_for(config))
+    _, method_args = checked(config)
+    return config, method_args
 
 
 def drift(record: dict, config, method_args) -> list[str]:
