@@ -186,6 +186,13 @@ def _stopped_before_its_record(ctx):  # what a stop while the model loads leaves
     return ["run", "--resume", ctx.tmp / "runs" / "r1"], ctx.tmp / "runs", "--run-id r1 --output-dir"
 
 
+def _split_is_a_folder(ctx):
+    split = ctx.trace / "Py150" / "test.json"
+    split.unlink()
+    split.mkdir()
+    return smoke_args(ctx.trace, ctx.tmp / "runs"), ctx.trace, "replace it with the test.json file of Py150"
+
+
 def _duplicate_key(ctx):
     (ctx.tmp / "my.yaml").write_text("train:\n  epochs: 1\n  lr_schedule: constant\n  epochs: 2\n")
     return smoke_args(ctx.trace, ctx.tmp / "runs", "--config", ctx.tmp / "my.yaml"), ctx.tmp, None
@@ -208,6 +215,7 @@ REFUSED = [  # (case, setup, message)
     ("run-id a/b", _fresh("--run-id", "a/b"), "run_id='a/b' must be one plain folder name"),
     ("run-id absolute", _fresh("--run-id", "/tmp/x"), "run_id='/tmp/x' must be one plain folder name"),
     ("run-id newline", _fresh("--run-id", "a\nb"), "run_id='a\\nb' must be one plain folder name (no '/', no newline"),
+    ("split file is a folder", _split_is_a_folder, "Py150/test.json: is a folder, not a split file"),
     ("yaml duplicate key", _duplicate_key, "my.yaml: line 4: 'epochs' is given twice in 'train'; keep one"),
     ("locked, fresh start", _locked_fresh, "in use by another cl-bench process"),
     ("locked, resume", _locked_resume, "in use by another cl-bench process"),

@@ -84,6 +84,8 @@ def load_split(data_dir: Path, task: str, split: str) -> list[Example]:
             f"{', '.join(present) or 'none'}); point --data-dir at the TRACE root or add the task"
         )
     path = task_dir / f"{split}.json"
+    if path.exists() and not path.is_file():
+        raise UserError(f"{path}: is a folder, not a split file; replace it with the {split}.json file of {task}")
     if not path.is_file():
         present = sorted(p.name for p in task_dir.iterdir())
         raise UserError(
