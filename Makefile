@@ -22,7 +22,7 @@ main: install
 	$(VENV)/bin/cl-bench run --profile cpu --method seqft --output-dir runs
 
 # The whole suite (what .ci/run calls). test-fast: without the tests marked slow
-# (end-to-end runs, launches, the real data; pyproject.toml), under a minute.
+# (end-to-end runs, launches, the real data; pyproject.toml).
 test: install
 	$(PY) -m pytest -q --durations=15
 
