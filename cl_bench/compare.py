@@ -20,7 +20,7 @@ from tabulate import tabulate
 from cl_bench import results
 from cl_bench.analysis.depth import decision_agreement
 from cl_bench.errors import UserError
-from cl_bench.general.report import compare_general
+from cl_bench.general.report import LIMA, compare_general
 from cl_bench.intervals import SEED, SUMMARIES, ItemTable, point_summaries, replicates
 from cl_bench.metrics import bootstrap
 from cl_bench.record import RunRecord
@@ -90,7 +90,7 @@ def compare(run_dirs: list[Path], resamples: int = bootstrap.RESAMPLES) -> dict[
     """{"baseline", "resamples", "comparisons": [{"run", "summaries": {name: {run,
     baseline, diff, ci, p}}, "tasks": {task: {...}}, "general"?, "decisions"?}]}: every run
     against the first, paired over items; "tasks" holds each task's final score;
-    "general", the final ΔLima where both runs probed the same Lima items; "decisions", where both runs decide per layer and expert (expand or recycle), how
+    "general", the final ΔLima and ΔG where both runs measured the same items; "decisions", where both runs decide per layer and expert (expand or recycle), how
     often they decide alike (analysis.depth.decision_agreement)."""
     if len(run_dirs) < 2:
         raise UserError("compare needs at least two run folders: the baseline first, then the others")
@@ -136,7 +136,8 @@ def format_comparison(result: dict[str, Any]) -> str:
     for comp in result["comparisons"]:
         named = [(SUMMARY_NAMES[k], r) for k, r in comp["summaries"].items()]
         named += [(f"{task} (final)", r) for task, r in comp.get("tasks", {}).items()]
-        named += [(f"{name} (final, nats/token)", r) for name, r in comp.get("general", {}).items()]
+        named += [(f"{name} (final{', nats/token' if name == LIMA else ''})", r)
+                  for name, r in comp.get("general", {}).items()]
         for name, r in named:
             ci = r["ci"]
             verdict = ("not distinguishable" if ci is None or ci[0] <= 0 <= ci[1]

@@ -104,6 +104,10 @@ class GeneralConfig:
 
     lima: int = 0  # held-out Lima items whose mean answer NLL per token is recorded at the zero-shot point
     #                and after every stage, with ΔLima (cl_bench/general/lima.py); 0: off
+    tasks: list[str] = field(default_factory=list)  # lm-eval task names or local task YAML paths, scored at the
+    #   zero-shot point and after the last stage with ΔG (cl_bench/general/lm_eval_tasks.py; needs cl-bench[general])
+    limit: int | None = None  # items per task (lm-eval's --limit: the first N); None: all
+    every_stage: bool = False  # score the general tasks after every stage, not only the last
 
 
 @dataclass
@@ -196,6 +200,11 @@ class RunConfig:
             raise UserError("replay.per_task must be at least 1 (or null) and replay.lima at least 0")
         if self.general.lima < 0:
             raise UserError(f"general.lima={self.general.lima} must be >= 0 (0 turns the Lima probe off)")
+        if self.general.limit is not None and self.general.limit < 1:
+            raise UserError(f"general.limit={self.general.limit} must be at least 1, or null for every item")
+        if self.general.tasks and self.backend == "deepspeed":
+            raise UserError("general.tasks runs lm-eval on one process and is refused with backend deepspeed; "
+                            "run it with --backend torch, or leave general.tasks empty")
         if self.backend not in ("torch", "deepspeed"):
             raise UserError(f"backend={self.backend!r} is not available; choose 'torch' or 'deepspeed'")
         if self.log not in LOG_KINDS:

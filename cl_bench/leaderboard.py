@@ -25,7 +25,7 @@ from tabulate import tabulate
 from cl_bench import registry
 from cl_bench.compare import differences
 from cl_bench.errors import UserError
-from cl_bench.general.report import LIMA, LIMA_STATS, lima_cell, lima_group
+from cl_bench.general.report import DELTA_G, LIMA, STATS, cell, group_stats
 from cl_bench.intervals import ItemTable, point_summaries, replicates
 from cl_bench.metrics import bootstrap
 from cl_bench.record import RunRecord
@@ -249,11 +249,14 @@ def build_rows(runs: list[RunRecord]) -> tuple[pd.DataFrame, list[list[RunRecord
                       else _distinct(reps[i], reps[other], members[i], members[other], key)
                       for i in range(len(table))]
     groups = [[e.record for e in m] for m in members]
-    lima = [lima_group(g) for g in groups]
-    if any(x["mean"] is not None for x in lima):  # only where runs have the Lima probe
-        for stat_ in LIMA_STATS:
-            table[f"{LIMA} {stat_}"] = [x[stat_] for x in lima]
-    return table[COLUMNS + [c for c in table.columns if c.startswith(LIMA)]], groups
+    general = []  # ΔG and ΔLima columns, only where runs have them
+    for stem in (DELTA_G, LIMA):
+        stats = [group_stats(stem, g) for g in groups]
+        if any(x["mean"] is not None for x in stats):
+            general += [f"{stem} {x}" for x in STATS]
+            for x in STATS:
+                table[f"{stem} {x}"] = [row[x] for row in stats]
+    return table[COLUMNS + general], groups
 
 
 def humanise(n) -> str:
@@ -280,7 +283,8 @@ def display_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
     """The headers and the formatted cells of every row (the Markdown and LaTeX tables', and the site's)."""
     headers = ["Method", "Model", "Profile", "Precision", "Tasks", "Runs"] + [stem for _, stem in SCORES]
     headers += MARKS + [col for _, col in PARAMS] + EXTRA + ["Wall time (min)"]
-    headers += [LIMA] if f"{LIMA} mean" in df.columns else []
+    general = [stem for stem in (DELTA_G, LIMA) if f"{stem} mean" in df.columns]
+    headers += general
     rows = []
     for rec, label in zip(df.to_dict("records"), _method_labels(df)):
         method = f"{label} (reference)" if rec["Reference"] else label
@@ -294,8 +298,7 @@ def display_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
                    _with_spread(f"{100 * rec['Expansion']:.0f}%", rec["Expansion std"], lambda s: f"{100 * s:.0f}"))
         wall = rec["Wall time (min)"]
         row.append(MISSING if pd.isna(wall) else f"{wall:.1f}")
-        if f"{LIMA} mean" in rec:
-            row.append(lima_cell(*(rec[f"{LIMA} {x}"] for x in LIMA_STATS)))
+        row += [cell(stem, *(rec[f"{stem} {x}"] for x in STATS)) for stem in general]
         rows.append(row)
     return headers, rows
 

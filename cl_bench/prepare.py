@@ -31,6 +31,7 @@ from cl_bench.data import Encoder
 from cl_bench.errors import UserError, did_you_mean
 from cl_bench.evaluation import majority_level
 from cl_bench.general.lima import LimaProbe
+from cl_bench.general.lm_eval_tasks import GeneralTasks
 from cl_bench.method import Method, MethodContext, Stage
 from cl_bench.models.loading import load
 from cl_bench.record import RunRecord, StageRecord
@@ -59,6 +60,7 @@ class Run:
     probe: RepresentationProbe | None = None  # eval.cka_probe > 0
     routing: RoutingProbe | None = None  # eval.routing_probe > 0
     lima: LimaProbe | None = None  # general.lima > 0
+    general_tasks: GeneralTasks | None = None  # general.tasks (lm-eval)
     lock: Any = None  # rank 0: the run folder's lock (results.lock_run), held until execute ends
     metrics: Any = None  # the per-step metric logger (cl_bench/metric_log.py), while execute runs
     global_step: int = 0  # optimiser steps so far over the whole run (the metric logger's x axis)
@@ -104,6 +106,8 @@ def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: 
         run_dir = resume_dir
     else:
         method_cls, method_args, data_dir = _checked(config)
+    g = config.general  # lm-eval's tasks built offline: a task without local data stops the run here
+    general_tasks = GeneralTasks.prepare(g.tasks, g.limit, g.every_stage, config.eval.batch_size) if g.tasks else None
     backend = create_backend(config)  # deepspeed: joins the other ranks
     held: list = []  # rank 0: the run folder's lock, from here until execute ends
     if resume_dir is None:
@@ -122,6 +126,7 @@ def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: 
             lock.close()
         raise
     run.lock = held[0] if held else None
+    run.general_tasks = general_tasks
     return run
 
 

@@ -58,8 +58,7 @@ def execute(run: Run, keep_checkpoint: bool = False, stop: signals.Stop | None =
             ev = run.config.eval
             if (ev.eval_all or ev.zero_shot) and (rec.zero_shot is None or None in rec.zero_shot):
                 _zero_shot_row(run, stop)
-            if run.lima is not None and not measured(rec.general, LIMA_ZERO_SHOT):
-                _lima(run, LIMA_ZERO_SHOT)
+            if _general(run, LIMA_ZERO_SHOT):
                 run_state.write_files(run)
             at = run_state.load_in_stage(run)
             for stage in run.stages[rec.stages_done:]:
@@ -316,15 +315,22 @@ def _probe(run: Run, stage: Stage, trained: list) -> None:
         probes.setdefault("sharpness", {})[str(stage.index)] = expert_sharpness(
             model, batch, ev.sharpness_iters, ev.sharpness_layers)
     run.record.probes = probes or None
-    if run.lima is not None:
-        _lima(run, str(stage.index))
+    _general(run, str(stage.index))
 
 
-def _lima(run: Run, point: str) -> None:
-    """The Lima probe at `point` (a stage index, or the zero-shot point), in the evaluation's precision."""
-    model = run.method.model
+def _general(run: Run, point: str) -> bool:
+    """The Lima probe and the lm-eval tasks at `point` (a stage index, or the zero-shot point), where
+    due and not yet in the record, in the evaluation's precision; whether anything was measured."""
+    rec, model = run.record, run.method.model
+    lima = run.lima is not None and not measured(rec.general, point)
+    tasks = (run.general_tasks is not None and run.general_tasks.due(point, len(run.stages))
+             and point not in ((rec.general or {}).get("lm_eval") or {}).get("points", {}))
     with precision.evaluation(run.backend.eval_precision, run.backend.device, model):
-        run.record.general = run.lima.record(run.record.general, point, model, run.encoder)
+        if lima:
+            rec.general = run.lima.record(rec.general, point, model, run.encoder)
+        if tasks:
+            rec.general = run.general_tasks.record(rec.general, point, model, run.encoder.tokenizer)
+    return lima or tasks
 
 
 def peak_rss_mb() -> float:

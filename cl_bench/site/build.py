@@ -38,7 +38,7 @@ from pathlib import Path
 from cl_bench import leaderboard, registry
 from cl_bench.compare import compare, differences
 from cl_bench.errors import UserError
-from cl_bench.general.report import lima_note, lima_rows
+from cl_bench.general.report import lima_note, lima_rows, task_rows
 from cl_bench.intervals import record_intervals
 from cl_bench.record import RunRecord
 from cl_bench.report import SUMMARY_NAMES
@@ -171,6 +171,7 @@ def _run_page(site: _Site, record: RunRecord, pairs: list[dict], selector: dict,
                matrix=views.matrix_rows(record, iv), tasks_header=record.tasks,
                majority=views.majority_row(record), summary=views.summary_rows(record, iv),
                lima=lima_rows(record.general, [s.label for s in record.stages]), lima_note=lima_note(record.general),
+               general=task_rows(record.general, [s.label for s in record.stages]),
                timings=views.timing_rows(record), params=views.param_rows(record),
                totals={"total": views.minutes(timing.total_s), "prepare": views.minutes(timing.prepare_s),
                        "zero_shot": views.minutes(timing.zero_shot_s)},
