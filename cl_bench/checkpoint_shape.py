@@ -20,16 +20,21 @@ FIX = "put back the checkpoint cl-bench wrote, or start the run again under a ne
 APPLY_ERRORS = (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError)
 
 
+class LayoutError(UserError):
+    """A checkpoint not in the layout cl-bench writes: the run stops before any of
+    it is applied to what is on disk (sequencer.execute leaves the record as it was)."""
+
+
 class Loaded:
     """A loaded checkpoint `state` from `path`, read field by field."""
 
     def __init__(self, path: Path, state: Any):
         self.path, self.state = path, state
         if not isinstance(state, dict):
-            raise UserError(f"{path}: holds a {type(state).__name__}, not the fields cl-bench writes; {FIX}")
+            raise LayoutError(f"{path}: holds a {type(state).__name__}, not the fields cl-bench writes; {FIX}")
 
-    def fail(self, field: str, why: str) -> UserError:
-        return UserError(f"{self.path}: field {field} {why}; {FIX}")
+    def fail(self, field: str, why: str) -> LayoutError:
+        return LayoutError(f"{self.path}: field {field} {why}; {FIX}")
 
     def get(self, key: str, types: type | tuple, none: bool = False) -> Any:
         value = self.state.get(key)

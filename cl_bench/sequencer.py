@@ -83,6 +83,8 @@ def execute(run: Run, keep_checkpoint: bool = False, stop: signals.Stop | None =
                                 "(remove what is left of %s*/ by hand)", run.run_dir, results.CHECKPOINT_DIR)
                     return rec
                 raise
+            if isinstance(exc, checkpoint_shape.LayoutError):  # a checkpoint of another layout: the record
+                raise  # stays as it was (this attempt wrote nothing else; zero-shot scores are written as they come)
             rec.status = "interrupted" if isinstance(exc, KeyboardInterrupt) or stop.fired else "failed"
             rec.error = f"{type(exc).__name__}: {exc}"
             try:
@@ -238,8 +240,9 @@ def _train_phase(run: Run, stage: Stage, index: int, phase: Phase, desc: str, lo
     extra = {"phase": phase.name} if tag else {}
     start = n_steps if start is None else start
     if start > n_steps:
-        raise UserError(f"{results.checkpoint_file(run.run_dir, results.STEP_CHECKPOINT_DIR)}: field step={start} "
-                        f"is beyond the phase's {n_steps} steps; {checkpoint_shape.FIX}")
+        raise checkpoint_shape.LayoutError(
+            f"{results.checkpoint_file(run.run_dir, results.STEP_CHECKPOINT_DIR)}: field step={start} is beyond "
+            f"the phase's {n_steps} steps; {checkpoint_shape.FIX}")
     schedule = LrSchedule(run.optimizer, t.lr_schedule, t.warmup_ratio, n_steps)
     schedule.at(start)
     with progress.bar(n_steps, desc, "step", run.progress, run.backend.is_main, initial=start) as bar:

@@ -3,8 +3,9 @@ cl-bench writes is refused with exit 2 and one line naming the file and the fiel
 (cl_bench/record_shape.py, cl_bench/checkpoint_shape.py), and nothing in the run
 folder changes; where the edit is harmless the run loads and resumes to the end.
 Never a traceback. The mutations are seeded and random (tests/shape_mutations.py:
-type swaps, deletions, wrong lengths, unknown names), over one valid interrupted
-run built once, with a zero-shot row, two of its three stages done."""
+type swaps, deletions, wrong lengths, unknown names), over valid interrupted runs
+built once: one with a zero-shot row and two of its three stages done, one
+stopped inside stage 2 with an in-stage checkpoint."""
 from __future__ import annotations
 
 import hashlib
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from cl_bench import results
-from helpers import interrupted_run, make_trace, run_cli, smoke_args
+from helpers import interrupted_run, make_trace, only_run, run_cli, smoke_args
 from shape_mutations import mutate
 
 N_MUTATIONS = 40
@@ -28,6 +29,28 @@ def valid_run(tmp_path_factory):
     trace = make_trace(root / "trace")
     with pytest.MonkeyPatch.context() as mp:
         return interrupted_run(mp, *smoke_args(trace, root / "runs", "--set", "eval.zero_shot=true"), at_stage=2)
+
+
+@pytest.fixture(scope="module")
+def in_stage_run(tmp_path_factory):
+    """Stopped (Ctrl-C) after step 2 of stage 2's 4, with an in-stage checkpoint after every step."""
+    from cl_bench.backends.torch_backend import TorchBackend
+
+    root = tmp_path_factory.mktemp("in-stage")
+    real = TorchBackend.train_stage
+
+    def train_stage(self, method, optimizer, stage, epochs, pad_id, on_step=None, *args, **kwargs):
+        def report(step, parts):
+            on_step(step, parts)
+            if stage.index == 1 and step == 2:
+                raise KeyboardInterrupt
+        return real(self, method, optimizer, stage, epochs, pad_id, report, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TorchBackend, "train_stage", train_stage)
+        assert run_cli(*smoke_args(make_trace(root / "trace"), root / "runs", "--set", "train.checkpoint_every_s=0",
+                                   "--set", "train.batch_size=2", "--set", "train.micro_batch_size=1")) == 130
+    return only_run(root / "runs")
 
 
 def _tree(folder):
@@ -97,6 +120,29 @@ def test_random_edits_of_a_checkpoint_load_or_are_refused_in_one_line(valid_run,
         except BaseException as exc:
             raise AssertionError(f"checkpoint mutation {i} ({what}): {type(exc).__name__}: {exc}") from exc
     assert 0 in codes and 2 in codes
+
+
+@pytest.mark.slow
+def test_random_edits_of_an_in_stage_checkpoint_load_or_are_refused_in_one_line(in_stage_run, tmp_path, capsys):
+    """checkpoint-step/ (train.checkpoint_every_s), whose weights are applied inside
+    the stage, after its hooks. Mutations caught: the field checks of
+    run_state.load_in_stage dropped (checked: mutation 1, global_step turned into a
+    string, ends in a TypeError traceback); sequencer.execute writing the record
+    as failed on a LayoutError (checked: mutation 0, a deleted weight, changes
+    run.json)."""
+    rng = random.Random(0)
+    path = in_stage_run / results.STEP_CHECKPOINT_DIR / "state.pt"
+    valid = torch.load(path, weights_only=True)
+    codes = []
+    for i in range(N_MUTATIONS // 2):
+        state, what = mutate(valid, rng)
+        run_dir = _copy(in_stage_run, tmp_path, i)
+        torch.save(state, run_dir / results.STEP_CHECKPOINT_DIR / "state.pt")
+        try:
+            codes.append(_outcome(capsys, run_dir, _resume(run_dir), "checkpoint-step/state.pt"))
+        except BaseException as exc:
+            raise AssertionError(f"in-stage checkpoint mutation {i} ({what}): {type(exc).__name__}: {exc}") from exc
+    assert 2 in codes
 
 
 def _edit_record(key, value):
