@@ -62,10 +62,31 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n" for r in rows))
 
 
-def read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path, staged: bool = False) -> list[dict]:
+    """The JSON objects of a run's .jsonl file, one a line (none if it is absent);
+    `staged`: each with an integer "stage". Anything else: one line naming the line."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: byte {exc.start} is not UTF-8; the file is damaged: put back the file as "
+                        f"cl-bench wrote it, or move the run folder away") from None
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}:{n}: not valid JSON ({exc.msg}); the file is damaged: put back the file as "
+                            f"cl-bench wrote it, or move the run folder away") from None
+        if not isinstance(row, dict) or staged and (not isinstance(row.get("stage"), int)
+                                                    or isinstance(row["stage"], bool)):
+            raise UserError(f"{path}:{n}: field stage: each line must be a JSON object with an integer stage; the "
+                            f"file is damaged: put back the file as cl-bench wrote it, or move the run folder away")
+        rows.append(row)
+    return rows
 
 
 def read_record(run_dir: Path) -> RunRecord:

@@ -166,9 +166,9 @@ def keep_zero_shot(old: RunRecord, new: RunRecord, run_dir: Path) -> list[dict]:
     if old.zero_shot is None or old.model != new.model or len(old.zero_shot) != len(new.tasks):
         return []
     rows: dict[str, list[dict]] = {}
-    for row in results.read_jsonl(run_dir / results.PREDICTIONS_FILE):
+    for row in results.read_jsonl(run_dir / results.PREDICTIONS_FILE, staged=True):
         if row["stage"] == results.ZERO_SHOT_STAGE:
-            rows.setdefault(row["task"], []).append(row)
+            rows.setdefault(row.get("task"), []).append(row)
     n = {m["task"]: m["n"] for m in old.task_metrics if m["stage"] == results.ZERO_SHOT_STAGE}
     kept = [name for name, score in zip(new.tasks, old.zero_shot)
             if score is not None and name in n and len(rows.get(name, [])) == n[name]]
@@ -204,10 +204,10 @@ def restore(run: Run, command: str) -> None:
     rec.task_metrics = [m for m in rec.task_metrics if m["stage"] < done]
     for b in range(done, len(rec.matrix)):
         rec.matrix[b] = [None] * len(rec.tasks)
-    run.predictions = [r for r in results.read_jsonl(run.run_dir / results.PREDICTIONS_FILE)
+    run.predictions = [r for r in results.read_jsonl(run.run_dir / results.PREDICTIONS_FILE, staged=True)
                        if r["stage"] < done]
     metrics = run.run_dir / results.METRICS_FILE
-    kept = [r for r in results.read_jsonl(metrics) if r["stage"] < done]
+    kept = [r for r in results.read_jsonl(metrics, staged=True) if r["stage"] < done]
     run.backend.barrier()  # every rank has read the files before rank 0 rewrites one
     run.backend.on_main(lambda: results.write_jsonl(metrics, kept))
     rec.status = "running"
