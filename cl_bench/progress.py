@@ -85,29 +85,43 @@ def bar(total: int, desc: str, unit: str, show: bool, main: bool, initial: int =
 @contextlib.contextmanager
 def decoding(model, bar) -> Iterator[Callable[[str, int], None]]:
     """Within-batch progress of generation on `bar`: a forward pre-hook on `model` counts
-    its calls (one over the prompts, then one per new token: cl_bench/generation.py)
-    and sets the bar's postfix, at most every TICK_S seconds. Yields `task(name,
+    its calls (one over the prompts, then one per new token: cl_bench/generation.py),
+    and pre-hooks on the layers of its longest ModuleList (the decoder layers) say which
+    layer the call over the prompts is in (on a CPU it alone can take minutes); the
+    bar's postfix is set at most every TICK_S seconds. Yields `task(name,
     max_new_tokens)`, to call before each task's generation."""
+    from torch import nn
+
     state = {"task": "", "budget": 0, "token": 0, "shown": 0.0}
+    layers = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=[])
 
     def task(name: str, budget: int) -> None:
         state.update(task=name, budget=budget, token=0)
 
-    def hook(module, args, kwargs) -> None:
+    def show(where: str) -> None:
+        now = time.monotonic()
+        if now - state["shown"] >= TICK_S:
+            state["shown"] = now
+            bar.set_postfix_str(f"{state['task']}: {where}")
+
+    def on_call(module, args, kwargs) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             return
         state["token"] = 0 if ids.shape[-1] > 1 else state["token"] + 1  # (B, L): the prompts; (B, 1): a token
-        now = time.monotonic()
-        if now - state["shown"] < TICK_S:
-            return
-        state["shown"] = now
         # the call over the prompts yields token 1; decoding call k, token k + 1
-        where = "reading the prompts" if state["token"] == 0 else f"token {state['token'] + 1}/{state['budget']}"
-        bar.set_postfix_str(f"{state['task']}: {where}")
+        show("reading the prompts" if state["token"] == 0 else f"token {state['token'] + 1}/{state['budget']}")
 
-    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    def on_layer(index: int):
+        def hook(module, args) -> None:
+            if state["token"] == 0:
+                show(f"reading the prompts, layer {index + 1}/{len(layers)}")
+        return hook
+
+    handles = [model.register_forward_pre_hook(on_call, with_kwargs=True)]
+    handles += [layer.register_forward_pre_hook(on_layer(i)) for i, layer in enumerate(layers)]
     try:
         yield task
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()

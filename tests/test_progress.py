@@ -52,10 +52,12 @@ def test_a_run_without_bars_logs_its_training_and_evaluation(tmp_path, monkeypat
 
 
 def test_decoding_shows_where_a_batch_stands_before_it_is_scored(monkeypatch):
-    """Within one batch of greedy decoding, the bar says the prompts are read, then each
-    token as it is computed, for the task named; nothing after the hook is removed.
-    Mutations caught: no hook (the bar silent until the batch ends, as the zero-shot
-    row's first batch was for minutes); tokens not reset at a new batch's prompts."""
+    """Within one batch of greedy decoding, the bar says the prompts are read, layer by
+    layer, then each token as it is computed, for the task named; nothing after the
+    hooks are removed. Mutations caught: no hook (the bar silent until the batch ends,
+    as the zero-shot row's first batch was for minutes); no layer hooks (a CPU's reading
+    of 16 long prompts alone took 1 min 50 s with nothing moving); tokens not reset at
+    a new batch's prompts."""
     import torch
 
     from cl_bench.generation import greedy_generate
@@ -69,7 +71,9 @@ def test_decoding_shows_where_a_batch_stands_before_it_is_scored(monkeypatch):
     with progress.decoding(model, bar) as task:
         task("Py150", 4)
         greedy_generate(model, prompts, 4, eos_id=-1, pad_id=0, batch_size=1)
-    assert shown == ["Py150: reading the prompts", "Py150: token 2/4", "Py150: token 3/4", "Py150: token 4/4"] * 2
+    n = len(model.model.layers)
+    prompts_read = ["Py150: reading the prompts"] + [f"Py150: reading the prompts, layer {i}/{n}" for i in range(1, n + 1)]
+    assert n > 1 and shown == (prompts_read + ["Py150: token 2/4", "Py150: token 3/4", "Py150: token 4/4"]) * 2
     with torch.no_grad():
         model(input_ids=torch.tensor([[5, 6]]))
-    assert len(shown) == 8
+    assert len(shown) == 2 * (n + 4)
