@@ -31,7 +31,9 @@ pools them: replicates over seeds and items, paired over the same test items):
 - deep-expand: cl_bench/analysis/depth.py over the runs' decision maps (tasks
   of every run pooled; the runs must decide over the same layers): holds for
   "deep layers expand more", does not hold for "shallow layers expand more".
-  It takes no `against`.
+  It takes no `against`. Where the runs record where their search started
+  (bilevel-cka's `init.decisions`), the start's deep and shallow rates are
+  printed beside: a pattern already there came from the initialisation.
 
 `follows_from` (optional): the input a verdict follows from by construction (e.g.
 "depth_prior=fixed" for deep-expand, where the search starts with deep layers
@@ -231,6 +233,13 @@ def _deep_expand(runs, against, claim) -> tuple[str, str, dict]:
     alike = {int(x) for m in maps for row in m for x in row}
     if len(alike) == 1:  # the rule's verdict stands; the reader learns why there is no depth to see
         text += f"; every decision was {'Expand' if alike == {1} else 'Recycle'}, in every layer"
+    starts = [p.diagnostics["init"]["decisions"] for r in runs for p in r.params
+              if p.diagnostics.get("decisions") and (p.diagnostics.get("init") or {}).get("decisions")]
+    if len(starts) == len(maps):  # where the search started: a depth pattern there is the init's
+        start = depth_profile(starts, layers)
+        out["init"] = start
+        text += (f"; at the search's start deep {100 * start['deep_rate']:.0f}% vs shallow "
+                 f"{100 * start['shallow_rate']:.0f}%")
     return verdict, text, out
 
 

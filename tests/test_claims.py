@@ -18,9 +18,11 @@ KEEPS = {**FORGETS, (1, 0): [100] * 6 + [0] * 2}  # BWT -100 -> -25, Last 50 -> 
 TIMID = {(0, 0): [100] * 4 + [0] * 4, (0, 1): [0] * 8, (1, 0): [100] * 4 + [0] * 4, (1, 1): [0] * 8}  # BWT 0, Last 25
 
 
-def run(tmp_path, name, scores, added=500, decisions=None, seed=1):
+def run(tmp_path, name, scores, added=500, decisions=None, seed=1, init=None):
     record, preds = make_record(scores, n_test=8, seed=seed)
     diag = {} if decisions is None else {"decisions": decisions, "decision_layers": list(range(len(decisions)))}
+    if init is not None:
+        diag["init"] = {"decisions": init}
     record.update(status="complete", run_id=name, stages_done=2, model={"id": "tiny-llama", "n_params": BASE},
                   stages=[{"index": 0, "label": "NumGLUE-cm"}, {"index": 1, "label": "C-STANCE"}],
                   params=[{"stage": 1, "total": BASE + added, "trainable": added, "active_per_token": BASE,
@@ -99,6 +101,16 @@ def test_a_verdict_that_follows_from_an_input_is_marked_and_not_a_finding(tmp_pa
     runs = [run(tmp_path, "fixed", KEEPS, decisions=deep)]
     (verdict, _), = verdicts(tmp_path, {"test": "deep-expand", "runs": runs, "follows_from": "depth_prior=fixed"})
     assert verdict == "holds; follows from depth_prior=fixed, not a finding"
+
+
+def test_deep_expand_shows_where_the_search_started(tmp_path):
+    """A run that records its start (init.decisions) gets the start's depth rates
+    beside the verdict. Mutation caught: the final maps reported as the start."""
+    deep = [[0, 0]] * 10 + [[1, 0]] * 10 + [[1, 1]] * 10
+    start = [[0, 0]] * 20 + [[1, 0]] * 10
+    runs = [run(tmp_path, "guided", KEEPS, decisions=deep, init=start)]
+    (verdict, text), = verdicts(tmp_path, {"test": "deep-expand", "runs": runs})
+    assert verdict == "holds" and text.endswith("; at the search's start deep 50% vs shallow 0%")
 
 
 def test_missing_or_unfinished_runs_are_not_run_yet_and_incomparable_runs_are_refused(tmp_path, capsys):

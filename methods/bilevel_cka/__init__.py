@@ -192,7 +192,7 @@ class BilevelCKA(Method):
         s = scale_per_layer(raw)
         measured = None
         if a.depth_prior == "fixed":
-            depth, source = fixed_depth(self._candidates, len(decoder_layers(self.model))), "fixed: last third"
+            depth, source = fixed_depth(self._candidates, len(decoder_layers(self.model))), "fixed: last 3/16 of the layers"
         elif self._drift is not None:
             measured, source = self._drift
             depth = scale_over_layers(measured)
@@ -324,7 +324,8 @@ class BilevelCKA(Method):
                                            task.snapshot)
         self._finalise(expand)
         if before is not None:
-            self._measure_drift(stage, before, batches, f"replay items of tasks 0..{stage.index - 1}, "
+            lima = " and Lima" if self.ctx.config.replay.lima else ""
+            self._measure_drift(stage, before, batches, f"replay items of tasks 0..{stage.index - 1}{lima}, "
                                                         f"before and after task {stage.index}")
 
     def _finalise(self, expand: torch.Tensor) -> None:
@@ -346,7 +347,11 @@ class BilevelCKA(Method):
         rebuild(self.model, state["layout"], **moe_settings(self.args))
         train_newest_group(self.model, self.args.train_shared)
         self._active = {int(i): list(v) for i, v in state["active"].items()}
-        drift_ = state.get("drift")  # absent in checkpoints written before mask_init=guided
+        if "drift" not in state and self._measures_drift():
+            raise UserError("bilevel-cka: this checkpoint was written before the guided mask init (it holds no "
+                            "'drift'), so its run searched from the uniform prior and the code now would not; "
+                            "resume it with the commit it started with (the record's git_commit), or start a new run")
+        drift_ = state.get("drift")
         self._drift = None if drift_ is None else (list(drift_[0]), drift_[1])
 
     def param_report(self) -> dict[str, Any]:

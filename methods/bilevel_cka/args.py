@@ -45,7 +45,8 @@ class BilevelCKAArgs(MoEArgs):
     kappa_flat: float = 4.0  # guided: + (s - 0.5) kappa_flat on each slot's Expand logit (the code's 4)
     kappa_depth: float = 1.0  # guided: + kappa_depth * depth_l on every slot of layer l (the code's 1.0)
     # cka: depth_l = the previous task's 1 - CKA drift of layer l on old-task replay data,
-    # min-max scaled over layers; fixed: depth_l = 1 on the last third of the layers (the code's)
+    # min-max scaled over layers; fixed: depth_l = 1 on the last 3/16 of the layers (the code's
+    # layers 13-15 of 16)
     depth_prior: str = "cka"
     probe_batches: int = 20  # guided: replay micro-batches of the flatness probe (the code's 20)
     mask_lr: float = 0.01  # Adam on the mask logits; raised per task where its reach is short

@@ -14,8 +14,9 @@ start of each task t >= 1 before the search.
   l's output on old-task replay data across the previous task, min-max scaled over
   the candidate layers to [0, 1] (0 everywhere where they are all equal). For t = 1
   the buffer holds only task 0's items, so the drift is task 0's own: its replay
-  items through the model before and after task 0. depth_prior=fixed: 1 on the last
-  third of the decoder layers, 0 elsewhere (the code's deep_layer_expand_bias).
+  items through the model before and after task 0. depth_prior=fixed: 1 on the
+  last 3/16 of the decoder layers (the code's deep_layer_expand_bias on 13-15 of
+  16), 0 elsewhere.
 
 Source: CKA-guided bilevel MoE upcycling (ICML 2026), section 2.1; the authors'
 code (bilevel-reference.md §1, §4 and the checklist: init_expand_prob 0.6,
@@ -111,8 +112,10 @@ def scale_over_layers(drift: list[float]) -> list[float]:
 
 
 def fixed_depth(layers: list[int], n_layers: int) -> list[float]:
-    """depth_prior=fixed: 1 on the last third of the decoder layers (ceil(n/3)), else 0."""
-    return [1.0 if i >= n_layers - math.ceil(n_layers / 3) else 0.0 for i in layers]
+    """depth_prior=fixed: 1 on the last max(1, round(3 n / 16)) decoder layers, else 0:
+    the authors' share (their bias covers layers 13-15 of 16); 6 of SmolLM2's 30."""
+    deep = max(1, round(3 * n_layers / 16))
+    return [1.0 if i >= n_layers - deep else 0.0 for i in layers]
 
 
 def layer_outputs(model: nn.Module, features, batches: list[dict], autocast: Callable,

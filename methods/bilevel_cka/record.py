@@ -16,7 +16,8 @@ Differs from the paper/code (docs/methods/bilevel-cka.md, "Differences"):
 - the new expert's row is the clone's own trained row, appended with its group so
   rows stay aligned with experts (the code appends rows at the end while experts
   are inserted in the middle, and gives the new expert mean of old rows + noise);
-- the old expert stays, frozen and routable, for old tasks.
+- the old expert stays, frozen and routable, for old tasks (supernet=mix: the
+  clone's weights take its place instead, see supernet.py).
 """
 from __future__ import annotations
 

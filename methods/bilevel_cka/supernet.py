@@ -27,7 +27,8 @@ Differs from the paper/code (why: docs/methods/bilevel-cka.md, "Routing choice")
 - each clone has a router row of its own, N(0, router_std^2), not a copy of its
   expert's row (the code: shared during the search, then mean of rows + noise);
 - a clone is added beside its expert, not pi e_new + (1 - pi) e_old (METHODS.md;
-  that is supernet=mix);
+  that is supernet=mix, whose Expand then writes the clone over the old expert,
+  the one deployment equal to what it searched, where the paper keeps both);
 - the balance above target is sigmoid(r - r_target), not sparsity_weight * (r - r_target).
 """
 from __future__ import annotations

@@ -134,7 +134,9 @@ def test_the_recorded_start_is_the_tensor_the_search_started_from(probe):
 
 
 def test_the_reach_lets_a_disagreeing_slot_cross_and_keeps_the_spread_on_cpu_and_cpu_long():
-    """Adam on a guided init (s evenly spaced in each layer, depth 0 / 1) for the
+    """The schedule's reach, under constant-sign gradients (Adam then moves each logit
+    by its lr an update; the real outer loss's dynamics are what a run's init.changed
+    records): Adam on a guided init (s evenly spaced in each layer, depth 0 / 1) for the
     updates a paper6 task gets on `cpu` (4) and `cpu-long` (36, 48), at mask_lr_eff:
     (a) a slot whose own gradient opposes its init crosses 0.5 when |gap| < R - one
     update; (b) a push common to every slot, in either direction, leaves at least 60%
@@ -233,3 +235,100 @@ def test_smoke_run_measures_the_drift_and_feeds_it_to_the_next_task(trace_dir, t
         assert init["changed"] == sum(a != b for x, y in zip(init["decisions"], r["decisions"]) for a, b in zip(x, y))
         assert len(init["guidance"]["drift"]) == 2 and init["guidance"]["probe_rows"] >= 1
         assert max(map(max, init["guidance"]["s"])) == 1.0
+
+
+# ---- the measurements themselves -------------------------------------------------------------
+
+def measuring(**args):
+    """make(), with a context that measures (not shapes-only) and a buffer of replay examples."""
+    method, model = make(**args)
+    method.ctx.shapes_only = False
+    method.ctx.replay = _Buffer(["replay-a"])
+    return method, model
+
+
+@pytest.mark.parametrize("expand", [False, True])
+def test_the_drift_is_one_minus_cka_across_the_task_per_layer(probe, expand):
+    """After a task: 1 - CKA per candidate layer between the outputs before and after
+    it on the replay batches: 0 where every slot recycled (the layer is as before),
+    and the hand computation on a copy of the pre-task model where every slot
+    expanded. Mutations caught: the drift taken after against after (always 0); the
+    "before" side read from the trained model."""
+    import copy
+
+    from cl_bench.analysis.cka import linear_cka
+    from cl_bench.methods.bilevel_cka.search import LayerFeatures
+
+    method, model = measuring()
+    before_model = copy.deepcopy(model)
+    stage = Stage(1, [], "task 1")
+    method.before_task(stage)
+    train(method, 3, stage)
+    with torch.no_grad():
+        method._task.logits.zero_()
+        method._task.logits[..., 1] = 1.0 if expand else -1.0
+    method.after_task(stage)
+    measured, source = method._drift
+    assert source == "replay items of tasks 0..0, before and after task 1"
+    if not expand:
+        assert measured == pytest.approx([0.0, 0.0], abs=1e-5)
+        return
+    layers = method._candidates
+    outputs = [guidance.layer_outputs(m, LayerFeatures(m, layers, 1024), probe["replay"], contextlib.nullcontext)
+               for m in (before_model, model)]
+    want = [1 - float(linear_cka(outputs[1][l], outputs[0][l])) for l in layers]
+    assert measured == pytest.approx(want, abs=1e-5) and max(want) > 1e-4
+
+
+def test_flatness_maps_each_slot_to_its_active_expert_across_groups(probe):
+    """At task 2, after task 1 expanded slots 1 and 4 of layer 0, those slots' active
+    experts live in group 1, the others in group 0: each slot's score is the norm of
+    its own expert's gradient from one plain backward through the model. Mutation
+    caught: the slot read as an index into group 0."""
+    method, model = make(depth_prior="fixed")
+    stage = Stage(1, [], "task 1")
+    method.before_task(stage)
+    train(method, 2, stage)
+    with torch.no_grad():
+        method._task.logits.zero_()
+        method._task.logits[0, [1, 4], 1] = 1.0
+    method.after_task(stage)
+    assert method._active[0] == [0, 8, 2, 3, 9, 5, 6, 7]
+    raw = guidance.expert_sensitivity(model, method._candidates, method._active, probe["replay"],
+                                      contextlib.nullcontext)
+    layer = moe.moe_layers(model)[0]
+    params = [w for g in layer.groups for w in (g.gate, g.up, g.down)]
+    for p in params:
+        p.requires_grad_(True)
+    loss = sum(model(**b).loss for b in probe["replay"]) / len(probe["replay"])
+    grads = dict(zip(map(id, params), torch.autograd.grad(loss, params)))
+    for k, e in enumerate(method._active[0]):
+        g, j = guidance.expert_owners(layer)[e]
+        parts = [grads[id(w)][j] for w in (g.gate, g.up, g.down)]
+        want = math.sqrt(sum(float(x.pow(2).sum()) for x in parts)) / math.sqrt(sum(x.numel() for x in parts))
+        assert float(raw[0, k]) == pytest.approx(want, rel=1e-4)
+
+
+def test_the_drift_and_the_probe_size_travel_as_set(probe, monkeypatch):
+    """The measured drift is in the state a stage checkpoint keeps, and a checkpoint
+    without it (written before the guided init) is refused on resume; probe_batches
+    reaches the probe and mask_reach the schedule. Mutations caught: the drift left
+    out of state_dict; probe_batches or mask_reach ignored."""
+    from cl_bench.errors import UserError
+
+    method, model = measuring(probe_batches=7, mask_reach=0.8)
+    method._drift = ([0.1, 0.2], "given")
+    state = method.state_dict()
+    fresh, _ = measuring()
+    fresh.load_state_dict(state)
+    assert fresh._drift == ([0.1, 0.2], "given")
+    del state["drift"]
+    with pytest.raises(UserError, match="before the guided mask init"):
+        fresh.load_state_dict(state)
+    sizes = []
+    real = bilevel_cka.replay_batches
+    monkeypatch.setattr(bilevel_cka, "replay_batches", lambda ctx, ex, n, key: sizes.append(n) or real(ctx, ex, n, key))
+    method.ctx.stage_steps = lambda stage: 8
+    method.before_task(Stage(1, [], "task 1"))
+    assert sizes == [7]
+    assert 2 * 4 * method._task.mask_lr == pytest.approx(0.8)  # 8 steps: 4 updates, reach 0.8
