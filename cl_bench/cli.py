@@ -120,30 +120,14 @@ def _interrupted(run) -> str:
 
 def cmd_show(args) -> int:
     from cl_bench.intervals import record_intervals
-    from cl_bench.report import format_matrix
+    from cl_bench.report import format_matrix, status_line
     from cl_bench.results import read_record
 
     record = read_record(args.run_dir)
     if record.status != "complete":
-        print(_status(record, args.run_dir))
+        print(status_line(record, args.run_dir))
     print(format_matrix(record, record_intervals(record, args.run_dir)))
     return 0
-
-
-def _status(record, run_dir: Path) -> str:
-    """A run that is not complete, in one line: where it stands and what to do."""
-    from cl_bench.campaign.plan import is_running
-    from cl_bench.results import LOCK_FILE
-
-    done = f"{record.stages_done} of {len(record.stages)} stages done"
-    if is_running(run_dir):
-        pid = (run_dir / LOCK_FILE).read_text(encoding="utf-8").strip() or "unknown"
-        return f"status: running (PID {pid}), {done}; the matrix fills in as stages finish"
-    again = f"continue with: {program()} run --resume {run_dir}"
-    if record.status == "running":  # its process is gone without writing its end
-        return f"status: stopped ({record.status} when its process ended: killed?), {done}; {again}"
-    why = f" ({record.error})" if record.error else ""
-    return f"status: {record.status}{why}, {done}" + (f"; {again}" if record.status == "interrupted" else "")
 
 
 def cmd_compare(args) -> int:

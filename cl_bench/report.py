@@ -3,6 +3,8 @@ interval on every cell, the summary with intervals, BWT's format and content
 parts, the answer-form share of every cell and the majority-class levels."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from tabulate import tabulate
 
 from cl_bench.general.report import format_general
@@ -63,3 +65,20 @@ def format_matrix(record: RunRecord, intervals: dict | None = None) -> str:
     if general:
         out.append(general)
     return "\n".join(out)
+
+
+def status_line(record: RunRecord, run_dir: Path) -> str:
+    """`cl-bench show` of a run that is not complete: where it stands and what to do, in one line."""
+    from cl_bench.campaign.plan import is_running
+    from cl_bench.errors import program
+    from cl_bench.results import LOCK_FILE
+
+    done = f"{record.stages_done} of {len(record.stages)} stages done"
+    if is_running(run_dir):
+        pid = (run_dir / LOCK_FILE).read_text(encoding="utf-8").strip() or "unknown"
+        return f"status: running (PID {pid}), {done}; the matrix fills in as stages finish"
+    again = f"continue with: {program()} run --resume {run_dir}"
+    if record.status == "running":  # its process is gone without writing its end
+        return f"status: stopped ({record.status} when its process ended: killed?), {done}; {again}"
+    why = f" ({record.error})" if record.error else ""
+    return f"status: {record.status}{why}, {done}" + (f"; {again}" if record.status == "interrupted" else "")
