@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "the loss upcycling adds before training, deepspeed's per-step cost, fp32 against bf16, "
                                     "or a method's step against another's and the passes it needs")
     p.add_argument("what", choices=["generation", "harness", "moe", "upcycle-gap", "deepspeed", "precision", "step",
-                                  "zero-shot"])
+                                  "zero-shot", "eval-profile", "eval-speed"])
     p.add_argument("--method", help="harness, deepspeed, step: the method whose stage is timed (default: the baseline)")
     p.add_argument("--against", default="upcycle", help="step, zero-shot: the method it is timed against")
     p.add_argument("--method-arg", action="append", metavar="K=V", help="step: an argument of --method (repeatable)")
@@ -222,5 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--data-dir")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16"],
+                   help="eval-profile, eval-speed: the eval precision (default: the cpu profile's)")
     p.add_argument("--output", type=Path, help="also write the result as JSON here")
     return parser

@@ -286,3 +286,34 @@ def assert_same_run(a: Path, b: Path, rtol: float = LOSS_RTOL, atol: float = 1e-
     assert rec_a["matrix"] == rec_b["matrix"]
     preds = lambda d: [r["prediction"] for r in results.read_jsonl(d / "predictions.jsonl")]
     assert preds(a) == preds(b)
+
+
+# ---- decoding -------------------------------------------------------------------
+
+def assert_decodes_as_the_plain_loop(model, prompts: list[list[int]], new_tokens: int, pad_id: int,
+                                     batch_size: int) -> None:
+    """cl_bench.generation's outputs equal the plain loop's (cl_bench/perf/plain_decoding.py)
+    with an EOS picked so that rows stop at different steps, and some decoding step
+    ran with fewer rows than the batch (the stopped rows left it)."""
+    from cl_bench.generation import greedy_generate
+    from cl_bench.perf.plain_decoding import plain_generate
+
+    free = plain_generate(model, prompts, new_tokens, -1, pad_id, batch_size)
+    # the token the first prompt's continuation makes at step 1, as EOS
+    eos = free[0][1]
+    stops = [g.index(eos) if eos in g else new_tokens for g in free]
+    assert len(set(stops)) > 1, f"rows must stop at different steps: {stops}"
+    calls: list[tuple[int, int]] = []  # (rows, columns) of each forward
+    handle = model.register_forward_pre_hook(
+        lambda m, a, k: calls.append(tuple(k["input_ids"].shape)), with_kwargs=True)
+    try:
+        ours = greedy_generate(model, prompts, new_tokens, eos, pad_id, batch_size)
+    finally:
+        handle.remove()
+    assert ours == plain_generate(model, prompts, new_tokens, eos, pad_id, batch_size)
+    batch, shrank = 0, False
+    for rows, cols in calls:
+        if cols > 1:  # a prefill: a new batch
+            batch = rows
+        shrank |= cols == 1 and rows < batch
+    assert shrank, calls

@@ -1,10 +1,13 @@
 """Batched greedy decoding equals one-at-a-time decoding and HF's greedy search."""
 from __future__ import annotations
 
+import pytest
 import torch
 
+from cl_bench import precision
 from cl_bench.generation import greedy_generate
 from cl_bench.models.loading import tiny_llama
+from helpers import assert_decodes_as_the_plain_loop
 
 
 def prompts(tok):
@@ -38,3 +41,12 @@ def test_stops_at_eos_and_drops_it():
     eos = free[0][2]
     stopped = greedy_generate(model, ps, 6, eos, tok.pad_token_id, batch_size=4)
     assert stopped[0] == free[0][:2]
+
+
+@pytest.mark.parametrize("precision_name", ["fp32", "bf16"])
+def test_stopped_rows_leave_the_batch_and_the_others_decode_as_before(precision_name):
+    """The rows still decoding give what the plain loop gives (every row to the end)."""
+    model, tok, _ = tiny_llama(0)
+    ps = prompts(tok) + [tok(t).input_ids for t in ["x = 1", "Summarise: the meeting was long"]]
+    with precision.evaluation(precision_name, torch.device("cpu"), model):
+        assert_decodes_as_the_plain_loop(model, ps, 10, tok.pad_token_id, batch_size=4)

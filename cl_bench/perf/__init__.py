@@ -6,6 +6,8 @@ harness.py   zero-shot (a method's zero-shot row against another's), generation 
 moe.py       moe (dispatch cost against the number of experts), upcycle-gap (the
              loss upcycling adds before any training)
 precision.py precision (fp32 against bf16: training and decoding speed, agreement)
+eval_profile.py eval-profile (one evaluation pass: prefill, decode, overhead; the bounds),
+             eval-speed (the decoder against the plain loop it replaced)
 step.py      step (one optimiser step of a method against another's, and the passes
              it needs, each timed alone on the same batches)
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from cl_bench.perf import harness, moe, precision, step
+from cl_bench.perf import eval_profile, harness, moe, precision, step
 
 MEASUREMENTS: dict[str, Callable[[Any], dict]] = {
     "generation": harness.generation,
@@ -26,8 +28,10 @@ MEASUREMENTS: dict[str, Callable[[Any], dict]] = {
     "precision": precision.precision_benchmark,
     "step": step.step,
     "zero-shot": harness.zero_shot,
+    "eval-profile": eval_profile.eval_profile,
+    "eval-speed": eval_profile.eval_speed,
 }
-DEFAULT_TASK = {"upcycle-gap": "paper6", "zero-shot": "paper6", "step": "Py150,NumGLUE-ds"}  # the others: one task, NumGLUE-ds
+DEFAULT_TASK = {"upcycle-gap": "paper6", "zero-shot": "paper6", "eval-profile": "paper6", "eval-speed": "paper6", "step": "Py150,NumGLUE-ds"}  # the others: one task, NumGLUE-ds
 
 
 def run(what: str, args) -> dict:

@@ -62,6 +62,7 @@ class SAMELinear(nn.Module):
         self.cov: InputCovariance | None = None  # the covariance of this linear's input
         self.collects = False  # this linear adds its input to cov (gate for x, down for h)
         self.weights: torch.Tensor | None = None  # (B, E): the last forward's w (decoding reuses it)
+        self.rows: torch.Tensor | None = None  # (b,): the rows of `weights` still decoded (None: all)
         # adaptive activation (method state, saved by SAME.state_dict)
         state = dict(device=base.weight.device)
         self.register_buffer("frozen", torch.zeros(n_experts, dtype=torch.bool, **state), persistent=False)
@@ -76,22 +77,28 @@ class SAMELinear(nn.Module):
         r = self.routing
         if r.reuse:
             w = self.weights
-            if w is None or w.shape[0] != x.shape[0]:
+            if w is None or (w.shape[0] if self.rows is None else len(self.rows)) != x.shape[0]:
                 raise RuntimeError("SAME: a cached decoding step without the prefill forward of the same "
                                    "batch; run the whole prompt through the model first")
         else:
             w = self._route(x)  # (B, E)
         if r.train:  # frozen experts: no compute, no gradient
             experts = (~self.frozen).nonzero().flatten().tolist()
-        elif self.infer_top_k:  # the experts some row picked
+        elif self.infer_top_k:  # the experts some row of the prefilled batch picked
             experts = (w > 0).any(0).nonzero().flatten().tolist()
         else:
             experts = list(range(self.n_experts))
+        if r.reuse and self.rows is not None:
+            w = w[self.rows]  # (b, E): the rows still decoded; the experts stay the batch's
         a = torch.cat([self.lora_A[i] for i in experts])  # (n r, d_in)
         b = torch.cat([self.lora_B[i] for i in experts], dim=1)  # (d_out, n r)
         z = self.dropout(x) @ a.T  # (B, T, n r)
         z = z * w[:, experts].repeat_interleave(self.rank, dim=1).unsqueeze(1).to(z.dtype)
         return out + self.scale * (z @ b.T)
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Decoding goes on with rows `index` (b,) of the current ones (cl_bench/generation.py)."""
+        self.rows = index if self.rows is None else self.rows[index]
 
     @property
     def routing_weights(self) -> torch.Tensor | None:
@@ -118,7 +125,7 @@ class SAMELinear(nn.Module):
             w = torch.zeros_like(probs).scatter(-1, index, top / top.sum(-1, keepdim=True))
         else:
             w = probs
-        self.weights = w.detach()
+        self.weights, self.rows = w.detach(), None
         return w
 
     def _train_weights(self, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import schedule_report
 from cl_bench.models.prompt_pool import (DECODE, POOL, PromptPool, first_tokens, masked_mean, prompt_mask,
                                          prompt_tokens)
-from helpers import interrupted_run, only_run, run_cli, smoke_args
+from helpers import assert_decodes_as_the_plain_loop, interrupted_run, only_run, run_cli, smoke_args
 
 D, G = 64, 8
 
@@ -564,3 +564,14 @@ def test_smoke_run_and_resume(trace_dir, tmp_path, monkeypatch):
     assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
     resumed = json.loads((run_dir / "run.json").read_text())
     assert resumed["matrix"] == record["matrix"] and resumed["params"] == record["params"]
+
+
+def test_rows_that_stop_leave_the_batch_with_their_routing():
+    """A row that reaches EOS leaves the decoding batch with its routing weights
+    (keep_rows); the others decode as in the plain loop."""
+    method, model = make()
+    grow(method, 3)
+    model.eval()
+    enc = Encoder.from_config(method.ctx.tokenizer, method.ctx.config.train)
+    prompts = [enc.prompt_ids(TASKS[j % 3].test[j // 3].prompt) for j in range(6)]
+    assert_decodes_as_the_plain_loop(model, prompts, 8, 0, 4)

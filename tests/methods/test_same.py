@@ -25,7 +25,7 @@ from cl_bench.methods.same import SAMEArgs, activation_schedule, activation_scor
 from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import schedule_report
 from cl_bench.methods.same.subspace import Subspace, damped_inverse, energy_rank, spectral_projection, top_subspace
-from helpers import interrupted_run, only_run, run_cli, smoke_args
+from helpers import assert_decodes_as_the_plain_loop, interrupted_run, only_run, run_cli, smoke_args
 
 E = 3
 SIZE = 2 * (3 * E * 8 * (64 + 128) + E * (64 + 64 + 128))  # 29184
@@ -609,3 +609,33 @@ def test_the_routing_probe_reads_each_routed_linears_prompt_pooled_weights():
         mean = layer.weights.double().sum(0)
         assert got == pytest.approx((mean / mean.sum()).tolist(), abs=1e-6)  # summed in fp32
     assert len({tuple(round(v, 6) for v in s) for s in shares}) > 1  # the linears route differently
+
+
+@pytest.mark.parametrize("top_k", [0, 2])
+def test_rows_that_stop_leave_the_batch_with_their_routing(top_k):
+    """A row that reaches EOS leaves the decoding batch (keep_rows); the others keep
+    their prefill weights and, top-k, the experts the whole batch picked."""
+    method, model = make(infer_top_k=top_k)
+    model.eval()
+    tok = tiny_llama(0)[1]
+    texts = ["Solve: 3 + 4 =", "hi there", "A much longer prompt with many more tokens", "Py: def f(x):",
+             "x = 1", "Summarise: the meeting was long"]
+    assert_decodes_as_the_plain_loop(model, [tok(t).input_ids for t in texts], 8, tok.pad_token_id, 4)
+
+
+def test_a_stopped_row_leaves_the_batch_its_experts():
+    """After keep_rows, top-k decoding still multiplies the experts some row of the
+    prefilled batch picked (the products keep their shapes, so the rows left compute
+    as before); an expert only the stopped row picked enters with weight 0, which a
+    NaN in it makes visible."""
+    method, model = make(infer_top_k=1)
+    lin = method.linears[0]["gate_proj"]
+    lin.weights, lin.rows = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]]), None  # rows 0, 1: experts 0, 2
+    lin.routing.reuse, lin.routing.train = True, False
+    lin.keep_rows(torch.tensor([0]))
+    with torch.no_grad():
+        lin.lora_B[2].fill_(float("nan"))
+        out = lin(torch.randn(1, 1, lin.base.in_features))
+    assert out.isnan().all()
+    lin.keep_rows(torch.tensor([0]))  # rows of the rows left
+    assert lin.rows.tolist() == [0]

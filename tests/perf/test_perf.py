@@ -53,3 +53,28 @@ def test_step_times_the_method_against_another_and_the_passes_it_needs(trace_dir
                                          "optimiser step and clipping"}
     assert len(rec["step_over_needed"]) == len(rec["median_step_s"]["upcycle"]) == 2
     assert all(r > 0 for r in rec["step_over_against"])
+
+
+def test_eval_profile_splits_one_pass_into_prefill_decode_and_the_rest(trace_dir, tmp_path):
+    """Mutation caught: a step counted as a prefill (or the reverse): the calls
+    would not be one prefill a batch and one step a decoded token."""
+    out = tmp_path / "profile.json"
+    assert run_cli("perf", "eval-profile", "--model", "tiny-llama", "--task", "NumGLUE-cm,Py150", "--n", "5",
+                   "--repeats", "1", "--data-dir", str(trace_dir), "--output", str(out)) == 0
+    rec = json.loads(out.read_text())
+    assert rec["tasks"] == ["NumGLUE-cm", "Py150"] and rec["precision"] == "fp32"
+    assert rec["prefill_calls"] == 2  # one batch of 5 (batch size 16) a task
+    # at most budget - 1 steps a batch (24; 64 capped at 64), each of 1 to 5 rows
+    assert 0 < rec["decode_steps"] <= 23 + 63
+    assert rec["decode_steps"] <= rec["decode_rows"] <= 5 * rec["decode_steps"]
+    assert abs(rec["prefill_s"] + rec["decode_s"] + rec["overhead_s"] - rec["pass_s"]) < 1e-9
+    assert all(v > 0 for v in rec["bound_s"].values()) and rec["profiled_op_self_s"]["matmul_and_attention"] > 0
+
+
+def test_eval_speed_times_the_decoder_against_the_plain_loop(trace_dir, tmp_path):
+    out = tmp_path / "speed.json"
+    assert run_cli("perf", "eval-speed", "--model", "tiny-llama", "--task", "NumGLUE-cm", "--n", "3",
+                   "--repeats", "2", "--data-dir", str(trace_dir), "--output", str(out)) == 0
+    rec = json.loads(out.read_text())
+    assert rec["predictions"] == rec["identical_predictions"] == 3
+    assert len(rec["seconds"]["new"]) == len(rec["seconds"]["plain"]) == 2 and rec["speedup"] > 0
