@@ -6,8 +6,8 @@ every task's final score (after the last stage that evaluated it), the
 difference (run - first) with its 95% paired-bootstrap interval and p-value
 (cl_bench/metrics/bootstrap.py). `cl-bench site` draws its compare pages from here. The runs must share tasks, test items and
 budget (training data, epochs, batch, lengths, replay budget, decoding budget
-and model) and precision (`auto` is bf16 on one machine and fp32 on another, and
-the two score differently); anything that differs is named and the comparison refused.
+and model), precision (`auto` is bf16 on one machine and fp32 on another, and
+the two score differently) and generator (eval.generator: hf or vllm); anything that differs is named and the comparison refused.
 """
 from __future__ import annotations
 
@@ -56,6 +56,8 @@ def differences(a: RunRecord, b: RunRecord, items: bool = True) -> list[str]:
     if a.precision != b.precision:  # `auto` resolves per machine: bf16 where the CPU has it, else fp32
         out.append(f"precision: {a.precision} vs {b.precision} (set train.precision and eval.precision "
                    f"to the same value for both runs)")
+    if a.generator != b.generator:  # vllm decodes in bf16 throughout, hf under autocast: other predictions
+        out.append(f"generator: {a.generator} vs {b.generator} (set eval.generator to the same value for both runs)")
     for keys in BUDGET_FIELDS:
         va, vb = _get(a.config, keys), _get(b.config, keys)
         if va != vb:

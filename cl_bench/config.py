@@ -19,6 +19,7 @@ import yaml
 from cl_bench.errors import UserError, did_you_mean
 from cl_bench.metric_log import KINDS as LOG_KINDS
 from cl_bench.precision import CHOICES as PRECISIONS
+from cl_bench.vllm_generation import GENERATORS
 from cl_bench.profiles import PROFILES
 from cl_bench.schedule import SCHEDULES
 
@@ -76,6 +77,7 @@ class EvalConfig:
     next_task: bool = False  # also score, after each stage, the task the next stage trains (R[j-1][j],
     #                          for FWT with the zero-shot row)
     precision: str = "fp32"  # fp32 | bf16 | auto, as train.precision, for decoding
+    generator: str = "hf"  # hf: cl_bench/generation.py; vllm: a vLLM engine on CUDA (cl_bench/vllm_generation.py)
     cka_probe: int = 0  # test examples per task whose per-layer CKA since the task was learned is
     #                     recorded after every stage (cl_bench/analysis/probes.py; `cl-bench analyze`); 0: off
     cka_probe_tokens: int = 512  # at most this many of their tokens
@@ -172,6 +174,10 @@ class RunConfig:
                                 or any(not c.isprintable() for c in rid)):
             raise UserError(f"run_id={rid!r} must be one plain folder name (no '/', no newline or other "
                             f"control character, not '.' or '..'); use --output-dir for where run folders go")
+        if self.eval.generator not in GENERATORS:
+            raise UserError(f"eval.generator={self.eval.generator!r} must be one of {', '.join(GENERATORS)}")
+        if self.eval.generator == "vllm" and self.backend == "deepspeed":
+            raise UserError("eval.generator=vllm runs with --backend torch; the deepspeed backend decodes with hf")
         for where, value in (("train.precision", t.precision), ("eval.precision", self.eval.precision)):
             if value not in PRECISIONS:
                 raise UserError(f"{where}={value!r} must be one of {', '.join(PRECISIONS)}")

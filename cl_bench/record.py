@@ -288,6 +288,12 @@ class RunRecord:
         train, evaluate = chosen.get("train", "fp32"), chosen.get("eval", "fp32")
         return train if train == evaluate else f"train {train}, eval {evaluate}"
 
+    @property
+    def generator(self) -> str:
+        """What decoded its evaluations (eval.generator): 'hf' or 'vllm'. Records from
+        before `backend.generator` existed decoded with hf."""
+        return (self.backend or {}).get("generator") or "hf"
+
     def to_json(self) -> dict[str, Any]:
         """The JSON object written to run.json: of SCHEMA_VERSION, whatever was read."""
         return {**_to_json(self), "schema_version": SCHEMA_VERSION}

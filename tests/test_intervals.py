@@ -121,6 +121,7 @@ def test_compare_gives_paired_differences(tmp_path, capsys):
     (lambda r: r["config"].update(model="smollm2-135m"), "model"),
     (lambda r: r.update(backend={"name": "torch", "precision": {"train": "bf16", "eval": "bf16"}}),
      "precision: fp32 vs bf16"),
+    (lambda r: r.update(backend={"name": "torch", "generator": "vllm"}), "generator: hf vs vllm"),
 ])
 def test_compare_refuses_runs_that_differ_and_says_how(tmp_path, capsys, change, message):
     a_rec, a_preds = make_record(SCORES)

@@ -14,6 +14,7 @@ from cl_bench.errors import UserError
 from cl_bench.generation import greedy_generate
 from cl_bench import precision
 from cl_bench.replay import sample_rows
+from cl_bench.vllm_generation import vllm_generator
 
 T = TypeVar("T")
 
@@ -30,6 +31,7 @@ class Backend:
         self.rank = 0
         self.world_size = 1
         self.eval_precision = precision.resolve(config.eval.precision, device)
+        self._vllm = vllm_generator() if config.eval.generator == "vllm" else None
 
     @property
     def train_precision(self) -> str:
@@ -50,13 +52,17 @@ class Backend:
 
     def generate(self, model, prompts: list[list[int]], max_new_tokens: int, eos_id: int, pad_id: int,
                  batch_size: int, on_batch: Callable[[int], None] | None = None) -> list[list[int]]:
-        """Greedy continuations of every prompt (cl_bench.generation), on every rank."""
+        """Greedy continuations of every prompt (eval.generator: cl_bench.generation, or
+        cl_bench.vllm_generation), on every rank."""
+        if self._vllm is not None:
+            return self._vllm(model, prompts, max_new_tokens, eos_id, pad_id, batch_size, on_batch)
         return greedy_generate(model, prompts, max_new_tokens, eos_id, pad_id, batch_size, on_batch)
 
     def describe(self) -> dict[str, Any]:
         """What the run record states about how the run was trained."""
         return {"name": self.name, "world_size": self.world_size,
-                "precision": {"train": self.train_precision, "eval": self.eval_precision}}
+                "precision": {"train": self.train_precision, "eval": self.eval_precision},
+                "generator": self.config.eval.generator}
 
 
 def replay_key(seed: int, stage, epoch: int, step: int) -> str:
