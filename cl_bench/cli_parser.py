@@ -211,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "the loss upcycling adds before training, deepspeed's per-step cost, fp32 against bf16, "
                                     "or a method's step against another's and the passes it needs")
     p.add_argument("what", choices=["generation", "harness", "moe", "upcycle-gap", "deepspeed", "precision", "step",
-                                  "zero-shot", "eval-profile", "eval-speed"])
+                                  "zero-shot", "eval-profile", "eval-speed", "train-step",
+                                  "gen-throughput"])
     p.add_argument("--method", help="harness, deepspeed, step: the method whose stage is timed (default: the baseline)")
     p.add_argument("--against", default="upcycle", help="step, zero-shot: the method it is timed against")
     p.add_argument("--method-arg", action="append", metavar="K=V", help="step: an argument of --method (repeatable)")

@@ -8,6 +8,8 @@ moe.py       moe (dispatch cost against the number of experts), upcycle-gap (the
 precision.py precision (fp32 against bf16: training and decoding speed, agreement)
 eval_profile.py eval-profile (one evaluation pass: prefill, decode, overhead; the bounds),
              eval-speed (the decoder against the plain loop it replaced)
+device.py    train-step (median step and MFU against the device's peak), gen-throughput
+             (tokens a second of each generator installed), on CUDA where visible
 step.py      step (one optimiser step of a method against another's, and the passes
              it needs, each timed alone on the same batches)
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from cl_bench.perf import eval_profile, harness, moe, precision, step
+from cl_bench.perf import device, eval_profile, harness, moe, precision, step
 
 MEASUREMENTS: dict[str, Callable[[Any], dict]] = {
     "generation": harness.generation,
@@ -30,6 +32,8 @@ MEASUREMENTS: dict[str, Callable[[Any], dict]] = {
     "zero-shot": harness.zero_shot,
     "eval-profile": eval_profile.eval_profile,
     "eval-speed": eval_profile.eval_speed,
+    "train-step": device.train_step,
+    "gen-throughput": device.gen_throughput,
 }
 DEFAULT_TASK = {"upcycle-gap": "paper6", "zero-shot": "paper6", "eval-profile": "paper6", "eval-speed": "paper6", "step": "Py150,NumGLUE-ds"}  # the others: one task, NumGLUE-ds
 

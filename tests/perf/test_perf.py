@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from helpers import run_cli
+import torch
+
+from helpers import make_trace, run_cli
 
 
 def _harness(trace_dir, tmp_path, *extra) -> dict:
@@ -78,3 +80,40 @@ def test_eval_speed_times_the_decoder_against_the_plain_loop(trace_dir, tmp_path
     rec = json.loads(out.read_text())
     assert rec["predictions"] == rec["identical_predictions"] == 3
     assert len(rec["seconds"]["new"]) == len(rec["seconds"]["plain"]) == 2 and rec["speedup"] > 0
+
+
+def test_train_step_reports_tokens_flops_and_no_mfu_without_a_listed_device(tmp_path):
+    """On the CPU: the steps of one stage timed, the first left out; MFU null (no peak);
+    too few examples for two steps refused in one line."""
+    trace = make_trace(tmp_path / "trace", n_train=24)
+    out = tmp_path / "step.json"
+    assert run_cli("perf", "train-step", "--model", "tiny-llama", "--task", "NumGLUE-cm", "--n", "24",
+                   "--data-dir", str(trace), "--output", str(out)) == 0
+    rec = json.loads(out.read_text())
+    assert rec["device"] == "cpu" and rec["mfu"] is None and rec["peak_tflops"] is None
+    assert rec["steps"] == 3 and len(rec["step_s"]) == 2  # 24 examples, batches of 8 (the cpu profile)
+    assert rec["tokens_per_step"] > 0 and rec["tflops"] > 0
+    assert run_cli("perf", "train-step", "--model", "tiny-llama", "--task", "NumGLUE-cm", "--n", "12",
+                   "--data-dir", str(trace)) == 2
+
+
+def test_peak_is_matched_on_the_device_name(monkeypatch):
+    """Mutation caught: "H100" tried before "H100 PCIe" (a PCIe card's MFU against the SXM peak)."""
+    from cl_bench.perf import device
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA H100 PCIe")
+    assert device.peak_tflops(torch.device("cuda"), "bf16") == ("NVIDIA H100 PCIe", 756.0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA H100 80GB HBM3")
+    assert device.peak_tflops(torch.device("cuda"), "bf16")[1] == 989.4
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "Some Card")
+    assert device.peak_tflops(torch.device("cuda"), "fp32")[1] is None
+
+
+def test_gen_throughput_runs_each_generator_installed_and_names_those_not_run(trace_dir, tmp_path):
+    out = tmp_path / "gen.json"
+    assert run_cli("perf", "gen-throughput", "--model", "tiny-llama", "--task", "NumGLUE-cm", "--n", "3",
+                   "--max-new-tokens", "4", "--repeats", "1", "--data-dir", str(trace_dir), "--output", str(out)) == 0
+    rec = json.loads(out.read_text())
+    assert list(rec["generators"]) == ["hf"] and "vllm" in rec["not_run"]
+    hf = rec["generators"]["hf"]
+    assert hf["identical_to_hf"] == 3 and hf["tokens_per_s"] > 0 and len(hf["seconds"]) == 1
