@@ -36,3 +36,14 @@ def test_smoke_run_behaves_as_recorded(name, trace_dir):
     found = smoke_runs([name], str(trace_dir), values)[name]
     differ = values_differ(found, EXPECTED[name])
     assert not differ, f"{name}: the smoke run differs in {', '.join(differ)}"
+
+
+def test_only_tie_decided_values_are_left_out_of_the_comparison():
+    """CaRE's task identification is an argmin over near-tied entropies on the tiny
+    model, so the CPU decides it; nothing else is exempt. Mutations caught: the
+    exemption dropped (the first case differs), or widened to every key (the second)."""
+    from smoke_digests import values_differ
+
+    row = {"lm": 5.5, "task_id_acc": 0.5}
+    assert values_differ({"metrics": [row]}, {"metrics": [{**row, "task_id_acc": 0.625}]}) == []
+    assert values_differ({"metrics": [row]}, {"metrics": [{**row, "lm": 5.6}]}) == ["metrics"]
