@@ -106,6 +106,8 @@ def _planned_record(g: grids.Grid, args: dict) -> tuple[dict, object, object]:
     (lambda r: r["config"].update(output_dir="elsewhere", run_id="x"), True),
     (lambda r: r["config"].update(general={"lima": 64}), True),  # a probe
     (lambda r: r["config"].pop("general"), True),  # a record from before the probe existed
+    (lambda r: r["config"]["eval"].pop("generator"), True),  # a record from before eval.generator: hf
+    (lambda r: r["config"]["eval"].update(generator="vllm"), False),
     (lambda r: r.update(seed=2), False),
     (lambda r: r["method_args"].update(lr=3e-5), False),
     (lambda r: r["config"]["data"].update(test_split="test"), False),
