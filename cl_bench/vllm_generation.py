@@ -128,7 +128,11 @@ class VllmEngine:
             self.llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(iter(weights))
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_id: int) -> list[list[int]]:
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import SamplingParams
+        try:
+            from vllm import TokensPrompt
+        except ImportError:  # vLLM releases that export it from vllm.inputs only
+            from vllm.inputs import TokensPrompt
 
         params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=[eos_id],
                                 detokenize=False)
