@@ -1,8 +1,8 @@
 """The Lima probe's cost beside a stage's evaluation, in one process on one machine.
 
 Loads the `cpu` profile's model and test subsets (paper6) and times, alternating
-`--repeats` times, (a) the evaluation after the last stage (every task of the order,
-as the `cpu` profile scores it then) and (b) the Lima probe with `--items` items
+`--repeats` times, (a) the Lima probe, then (b) the evaluation after the last stage (every task of the
+order, as the `cpu` profile scores it then, each task's seconds logged as it ends), the probe with `--items` items
 (cl_bench/general/lima.py), both in `--precision` (fp32 where the CPU lacks native
 bf16). Prints one JSON object: the seconds of each repeat, their medians, and the
 ratio probe / evaluation. A ratio, not absolute seconds, is what carries to another
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import platform
 import statistics
 import time
@@ -29,6 +30,8 @@ from cl_bench.evaluation import evaluate_task
 from cl_bench.general.lima import LimaProbe
 from cl_bench.models.loading import load
 
+log = logging.getLogger("perf_lima_probe")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -36,6 +39,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--precision", default="fp32")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     config = resolve("cpu", None, {"eval": {"precision": args.precision}})
     d = config.data
     tasks = load_benchmark(resolve_data_dir(None), d.order, d.n_train, d.n_test, config.seed, d.n_train_per_task,
@@ -49,12 +53,17 @@ def main() -> None:
     for _ in range(args.repeats):
         with precision.evaluation(backend.eval_precision, backend.device, model):
             t0 = time.perf_counter()
-            for task in tasks:
-                evaluate_task(model, encoder, task, config.eval, None, backend.generate)
-            times["evaluation"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
             probe.measure(model, encoder)
             times["probe"].append(time.perf_counter() - t0)
+            log.info("probe (%d items): %.1f s", args.items, times["probe"][-1])
+            total = 0.0
+            for task in tasks:  # each task's seconds as it ends: a partial sum bounds the ratio from above
+                t0 = time.perf_counter()
+                evaluate_task(model, encoder, task, config.eval, None, backend.generate)
+                total += time.perf_counter() - t0
+                log.info("evaluation of %s (%d items): %.1f s; so far %.1f s, probe / so far %.3f",
+                         task.name, len(task.test), time.perf_counter() - t0, total, times["probe"][-1] / total)
+            times["evaluation"].append(total)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(json.dumps({"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                       "precision": backend.eval_precision, "items": args.items,
