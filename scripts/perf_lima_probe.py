@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--precision", default="fp32")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)  # after imports that set handlers
     config = resolve("cpu", None, {"eval": {"precision": args.precision}})
     d = config.data
     tasks = load_benchmark(resolve_data_dir(None), d.order, d.n_train, d.n_test, config.seed, d.n_train_per_task,
