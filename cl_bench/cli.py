@@ -29,7 +29,7 @@ import logging  # noqa: E402
 import shlex  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from cl_bench import signals  # noqa: E402
+from cl_bench.run import signals  # noqa: E402
 from cl_bench.cli_parser import RUN_CONFIG_FLAGS, build_parser, run_overrides  # noqa: E402
 from cl_bench.errors import UserError, program  # noqa: E402
 
@@ -42,9 +42,9 @@ def cmd_run(args) -> int:
     as an interrupt, and one that transformers' lazy imports swallowed is still seen."""
     stop = args.stop
     from cl_bench import config as cfg
-    from cl_bench.prepare import prepare
-    from cl_bench.report import format_matrix
-    from cl_bench.sequencer import execute
+    from cl_bench.run.prepare import prepare
+    from cl_bench.report.text import format_matrix
+    from cl_bench.run.sequencer import execute
 
     config = None
     if args.resume is None:
@@ -69,7 +69,7 @@ def cmd_run(args) -> int:
         run = prepare(config, args.resume, progress=not args.no_progress, command=args.command_line,
                       on_start=lambda run_dir, *rest: (started.append(run_dir), _announce(run_dir, *rest)))
     except KeyboardInterrupt:
-        from cl_bench.results import RUN_FILE
+        from cl_bench.record.io import RUN_FILE
 
         if not started or (started[0] / RUN_FILE).exists():
             raise
@@ -91,7 +91,7 @@ def cmd_run(args) -> int:
 
 def _announce(run_dir: Path, config, method_args, record) -> None:
     """The first lines of a run: where it writes, and how long it should take."""
-    from cl_bench.campaign.estimate import for_run
+    from cl_bench.tools.campaign.estimate import for_run
 
     print(f"run folder: {run_dir}", flush=True)
     left = for_run(config, method_args, record.stages_done if record else 0,
@@ -102,7 +102,7 @@ def _announce(run_dir: Path, config, method_args, record) -> None:
 def _interrupted(run) -> str:
     """What an interrupt leaves, in one line: resume continues after the last checkpoint,
     or, with none yet, starts the run again in its folder."""
-    from cl_bench.results import STEP_CHECKPOINT_DIR, has_checkpoint
+    from cl_bench.record.io import STEP_CHECKPOINT_DIR, has_checkpoint
 
     again = f"{program()} run --resume {run.run_dir}"
     done, total = run.record.stages_done, len(run.stages)
@@ -119,9 +119,9 @@ def _interrupted(run) -> str:
 
 
 def cmd_show(args) -> int:
-    from cl_bench.intervals import record_intervals
-    from cl_bench.report import format_matrix, status_line
-    from cl_bench.results import read_record
+    from cl_bench.metrics.intervals import record_intervals
+    from cl_bench.report.text import format_matrix, status_line
+    from cl_bench.record.io import read_record
 
     record = read_record(args.run_dir)
     if record.status != "complete":
@@ -131,7 +131,7 @@ def cmd_show(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from cl_bench.compare import compare, format_comparison
+    from cl_bench.report.compare import compare, format_comparison
 
     result = compare(args.runs, args.resamples)
     print(json.dumps(result, indent=2) if args.format == "json" else format_comparison(result))
@@ -140,7 +140,8 @@ def cmd_compare(args) -> int:
 
 
 def cmd_claims(args) -> int:
-    from cl_bench import claims, leaderboard
+    from cl_bench.report import claims
+    from cl_bench.report import leaderboard
 
     rows = claims.evaluate(args.file, args.root)
     table = claims.format_table(rows)
@@ -189,8 +190,8 @@ def _support(cls) -> str:
 
 
 def cmd_leaderboard(args) -> int:
-    from cl_bench import leaderboard
-    from cl_bench.analysis import sources
+    from cl_bench.report import leaderboard
+    from cl_bench.report.figures import sources
 
     build, render = {"scores": (leaderboard.build_table, leaderboard.format_table),
                      "forms": (leaderboard.build_forms_table, leaderboard.format_forms_table),
@@ -205,14 +206,14 @@ def cmd_leaderboard(args) -> int:
 
 
 def cmd_site(args) -> int:
-    from cl_bench.site.build import build_site
+    from cl_bench.report.site.build import build_site
 
     print(build_site(args.runs, args.out, args.exclude, args.include, browser=not args.no_browser))
     return 0
 
 
 def cmd_analyze(args) -> int:
-    from cl_bench.analysis.plots import analyze
+    from cl_bench.report.figures.plots import analyze
 
     for path in analyze(args.run_dir, args.against, args.from_stage, args.calibrate_stage):
         print(path)
@@ -289,7 +290,7 @@ def _decision_map(path: Path) -> list:
     reader: each stage's diagnostics "decisions"; otherwise a map file
     (models.params.load_decisions)."""
     from cl_bench.models.params import load_decisions
-    from cl_bench.results import RUN_FILE, read_record
+    from cl_bench.record.io import RUN_FILE, read_record
 
     if not path.is_dir():
         try:
@@ -307,7 +308,8 @@ def _decision_map(path: Path) -> list:
 
 
 def cmd_perf(args) -> int:
-    from cl_bench import perf, registry
+    from cl_bench import registry
+    from cl_bench.tools import perf
 
     args.method = args.method or registry.baseline()
     registry.get(args.method)  # an unknown name fails here, in one line
@@ -320,20 +322,20 @@ def cmd_perf(args) -> int:
 def _save(args, result: dict) -> None:
     """--output: the result as JSON, its command line inside."""
     if args.output:
-        from cl_bench.results import write_json
+        from cl_bench.record.io import write_json
 
         args.output.parent.mkdir(parents=True, exist_ok=True)
         write_json(args.output, {"command": args.command_line, **result})
 
 
 def cmd_campaign(args) -> int:
-    from cl_bench import campaign
+    from cl_bench.tools import campaign
 
     return campaign.main(args)
 
 
 def cmd_tune(args) -> int:
-    from cl_bench.tuning.cli import main as tune
+    from cl_bench.tools.tuning.cli import main as tune
 
     return tune(args)
 

@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", type=Path, help="also write the result as JSON here")
     p = sub.add_parser("claims", help="a paper's claims tested on run records: holds, does not hold, or not "
                                       "distinguishable at 95%%",
-                       description="Reads a claims file (YAML; format in cl_bench/claims.py, e.g. "
+                       description="Reads a claims file (YAML; format in cl_bench/report/claims.py, e.g. "
                                    "scripts/claims/flagship.yaml) and gives each claim its measurement and "
                                    "verdict; a claim whose runs are missing or unfinished is 'not run yet'.")
     p.add_argument("file", type=Path, metavar="FILE")
@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "not distinguishable from it (on BWT only rows whose Gain is above 0 at 95%), the cheapest on "
                         "each cost; forms: each row's BWT split "
                         "into answer form and content; sources: per MoE row, whether its forgetting tracks routing drift or "
-                        "representation change (cl_bench/analysis/sources.py)")
+                        "representation change (cl_bench/report/figures/sources.py)")
     p.add_argument("--update-readme", type=Path, metavar="README",
                    help="also write the Markdown table between the section's markers of README")
     p.add_argument("--section", default="leaderboard",
@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="committed run records the estimates learn from, relative to the root (default results)")
     p.add_argument("--root", type=Path, help="the repository the plan's paths start from (default: the git "
                                              "checkout holding the working directory)")
-    from cl_bench.tuning.cli import add_parser as add_tune
+    from cl_bench.tools.tuning.cli import add_parser as add_tune
 
     add_tune(sub)
     p = sub.add_parser("perf", help="measure generation speed-up, harness overhead, MoE dispatch, "

@@ -17,11 +17,11 @@ from typing import Any
 import yaml
 
 from cl_bench.errors import UserError, did_you_mean
-from cl_bench.metric_log import KINDS as LOG_KINDS
-from cl_bench.precision import CHOICES as PRECISIONS
-from cl_bench.vllm_generation import GENERATORS
+from cl_bench.run.metric_log import KINDS as LOG_KINDS
+from cl_bench.run.precision import CHOICES as PRECISIONS
+from cl_bench.eval.vllm_generation import GENERATORS
 from cl_bench.profiles import PROFILES
-from cl_bench.schedule import SCHEDULES
+from cl_bench.run.schedule import SCHEDULES
 
 
 @dataclass
@@ -54,15 +54,15 @@ class TrainConfig:
     truncation: str = "head_tail"  # head_tail: keep instruction + cue; left: TRACE's cut
     truncation_head: int = 64  # head_tail: prompt tokens kept from the start
     precision: str = "fp32"  # fp32 | bf16 (autocast, fp32 master weights and optimiser) | auto
-    #                          (bf16 where the device has native bf16 matrix support); cl_bench/precision.py
+    #                          (bf16 where the device has native bf16 matrix support); cl_bench/run/precision.py
     lr_by_family: dict[str, float] = field(default_factory=dict)  # learning rate of each method family
     #   (Method.lr_family: full, adapter, expert) where the method's lr is not given as an argument
-    lr_schedule: str | None = None  # constant | cosine, over each training phase (cl_bench/schedule.py);
+    lr_schedule: str | None = None  # constant | cosine, over each training phase (cl_bench/run/schedule.py);
     #                                 None: the method's (Method.lr_schedule); the run's config records it
     warmup_ratio: float | None = None  # share of a phase's steps with linear warm-up; None: the method's
     checkpoint_every_s: float | None = None  # also checkpoint inside a stage, at the first step boundary this
     #   many seconds of training after the last checkpoint (0: every step; None: at stage ends only), so a
-    #   killed run loses at most this much training (plus one step); torch backend (cl_bench/run_state.py)
+    #   killed run loses at most this much training (plus one step); torch backend (cl_bench/run/checkpoint.py)
 
     def epochs_for(self, task: str) -> int:
         return self.epochs_per_task.get(task, self.epochs)
@@ -77,13 +77,13 @@ class EvalConfig:
     next_task: bool = False  # also score, after each stage, the task the next stage trains (R[j-1][j],
     #                          for FWT with the zero-shot row)
     precision: str = "fp32"  # fp32 | bf16 | auto, as train.precision, for decoding
-    generator: str = "hf"  # hf: cl_bench/generation.py; vllm: a vLLM engine on CUDA (cl_bench/vllm_generation.py)
+    generator: str = "hf"  # hf: cl_bench/eval/generation.py; vllm: a vLLM engine on CUDA (cl_bench/eval/vllm_generation.py)
     cka_probe: int = 0  # test examples per task whose per-layer CKA since the task was learned is
-    #                     recorded after every stage (cl_bench/analysis/probes.py; `cl-bench analyze`); 0: off
+    #                     recorded after every stage (cl_bench/eval/probes/representation.py; `cl-bench analyze`); 0: off
     cka_probe_tokens: int = 512  # at most this many of their tokens
     routing_probe: int = 0  # test examples per task whose routed-expert distribution per MoE layer and its
     #                         JS divergence since the task was learned are recorded after every stage
-    #                         (cl_bench/analysis/routing.py; `cl-bench analyze`); 0: off; dense models: nothing
+    #                         (cl_bench/eval/probes/routing.py; `cl-bench analyze`); 0: off; dense models: nothing
     sharpness: int = 0  # test examples of the last task for expert sharpness after the last stage; 0: off
     sharpness_iters: int = 10  # Lanczos steps (Hessian-vector products) per expert
     sharpness_layers: list[int] | None = None  # decoder layer indices to probe (None: every MoE layer);
@@ -102,12 +102,12 @@ class ReplayConfig:
 
 @dataclass
 class GeneralConfig:
-    """General ability and instruction drift, measured in the run (cl_bench/general/)."""
+    """General ability and instruction drift, measured in the run (cl_bench/eval/general/)."""
 
     lima: int = 0  # held-out Lima items whose mean answer NLL per token is recorded at the zero-shot point
-    #                and after every stage, with ΔLima (cl_bench/general/lima.py); 0: off
+    #                and after every stage, with ΔLima (cl_bench/eval/general/lima.py); 0: off
     tasks: list[str] = field(default_factory=list)  # lm-eval task names or local task YAML paths, scored at the
-    #   zero-shot point and after the last stage with ΔG (cl_bench/general/lm_eval_tasks.py; needs cl-bench[general])
+    #   zero-shot point and after the last stage with ΔG (cl_bench/eval/general/lm_eval_tasks.py; needs cl-bench[general])
     limit: int | None = None  # items per task (lm-eval's --limit: the first N); None: all
     every_stage: bool = False  # score the general tasks after every stage, not only the last
 
@@ -133,9 +133,9 @@ class RunConfig:
     output_dir: str = "runs"
     run_id: str | None = None  # None: <method>-<timestamp>-<random>
     backend: str = "torch"  # torch: one process; deepspeed: ZeRO-2/3 over any number of ranks
-    log: str = "none"  # per-step metrics also to: none | tensorboard | wandb (cl_bench/metric_log.py)
+    log: str = "none"  # per-step metrics also to: none | tensorboard | wandb (cl_bench/run/metric_log.py)
     tuned: str | None = None  # `--tuned`: the tuned file the method's arguments came from, @ its commit
-    #                           (cl_bench/tuning/tuned.py); None: not tuned
+    #                           (cl_bench/tools/tuning/tuned.py); None: not tuned
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -453,7 +453,7 @@ def resolve(profile: str, config_file: Path | None, overrides: dict[str, Any]) -
     elif raw.get("tuned") is not None:
         raise UserError(f"tuned={raw['tuned']!r}: give true (--tuned); the tuned file and its commit are filled in")
     if raw.get("tuned") is True:  # the method's arguments from the tuned file
-        from cl_bench.tuning import tuned
+        from cl_bench.tools.tuning import tuned
 
         raw = tuned.apply(raw, profile)
     return build(raw, str(config_file) if config_file else "command line")

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from cl_bench.config import ReplayConfig, RunConfig, coerce, field_hint
-from cl_bench.data import Encoder
+from cl_bench.data.encode import Encoder
 from cl_bench.errors import UserError, did_you_mean
 
 
@@ -71,7 +71,7 @@ class MethodContext:
     encoder: Encoder | None = None
     n_stages: int | None = None
     shapes_only: bool = False  # `cl-bench params`: no data, tokenizer or encoder, the model on the meta device
-    # the harness's replay buffer (cl_bench/replay.py), to read only: what it stores so
+    # the harness's replay buffer (cl_bench/data/replay.py), to read only: what it stores so
     # far (`examples()`) and what it will store of a task (`chosen(task)`); None without one
     replay: Any = None
 
@@ -115,7 +115,7 @@ class Method:
     # "full" (all weights), "adapter" (small added modules, base frozen) or "expert"
     # (new MoE experts); None: the method's own lr default in every profile.
     lr_family: ClassVar[str | None] = None
-    # The lr schedule (cl_bench/schedule.py: "constant" | "cosine") and warm-up share the
+    # The lr schedule (cl_bench/run/schedule.py: "constant" | "cosine") and warm-up share the
     # harness runs each phase with, where the config's train.lr_schedule / warmup_ratio
     # leave them unset.
     lr_schedule: ClassVar[tuple[str, float]] = ("constant", 0.0)

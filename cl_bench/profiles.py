@@ -23,7 +23,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         # more training examples where steps are cheap (NumGLUE's short answers);
         # test items spent where scoring is cheap (short answers), not on long
         # generations; the zero-shot row and next-task scores for Gain and FWT; the CKA
-        # and routing-drift probes on 8 test examples a task (cl_bench/analysis/).
+        # and routing-drift probes on 8 test examples a task (cl_bench/eval/probes/).
         "model": "smollm2-135m",
         "data": {"order": "paper6", "n_train": 128, "n_test": 48,
                  "n_train_per_task": {"MeetingBank": 96, "20Minuten": 96, "NumGLUE-cm": 256,

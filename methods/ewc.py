@@ -51,9 +51,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cl_bench.data import IGNORE
+from cl_bench.data.encode import IGNORE
 from cl_bench.errors import UserError
-from cl_bench.gradients import batch_gradients
+from cl_bench.data.gradients import batch_gradients
 from cl_bench.method import Method, MethodArgs, Stage, lm_loss
 from cl_bench.models.modes import eval_mode
 from cl_bench.registry import register_method

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cl_bench.distillation import distillation_kl
+from cl_bench.losses import distillation_kl
 from cl_bench.errors import UserError
 from cl_bench.method import Method, MethodArgs, Stage
 from cl_bench.registry import register_method

@@ -41,7 +41,7 @@ gradient is.
 Composition: the adapter is `cl_bench.models.lora_adapters`' (`inject_lora`, its
 `lora_parameters` as the basis's coordinates, `merged_adapter_report`), the same
 pieces `lora` is made of; the per-example gradients come from
-`cl_bench.gradients.batch_gradients`, as EWC's Fisher does.
+`cl_bench.data.gradients.batch_gradients`, as EWC's Fisher does.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from cl_bench.gradients import batch_gradients
+from cl_bench.data.gradients import batch_gradients
 from cl_bench.method import Method, MethodArgs, Stage, lm_loss
 from cl_bench.models.lora_adapters import LoRAAdapterArgs, inject_lora, lora_parameters, merged_adapter_report
 from cl_bench.models.modes import eval_mode

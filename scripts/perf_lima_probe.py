@@ -3,7 +3,7 @@
 Loads the `cpu` profile's model and test subsets (paper6) and times, alternating
 `--repeats` times, (a) the Lima probe, then (b) the evaluation after the last stage (every task of the
 order, as the `cpu` profile scores it then, each task's seconds logged as it ends), the probe with `--items` items
-(cl_bench/general/lima.py), both in `--precision` (fp32 where the CPU lacks native
+(cl_bench/eval/general/lima.py), both in `--precision` (fp32 where the CPU lacks native
 bf16). Prints one JSON object: the seconds of each repeat, their medians, and the
 ratio probe / evaluation. A ratio, not absolute seconds, is what carries to another
 machine (and only roughly across precisions).
@@ -21,13 +21,13 @@ import time
 
 import torch
 
-from cl_bench import precision
+from cl_bench.run import precision
 from cl_bench.backends.torch_backend import TorchBackend
 from cl_bench.benchmarks.trace import load_benchmark, resolve_data_dir
 from cl_bench.config import resolve
-from cl_bench.data import Encoder
-from cl_bench.evaluation import evaluate_task
-from cl_bench.general.lima import LimaProbe
+from cl_bench.data.encode import Encoder
+from cl_bench.eval.evaluation import evaluate_task
+from cl_bench.eval.general.lima import LimaProbe
 from cl_bench.models.loading import load
 
 log = logging.getLogger("perf_lima_probe")

@@ -20,9 +20,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from cl_bench.backends.torch_backend import TorchBackend
-from cl_bench.data import tokenize_train
-from cl_bench.perf import harness, step as perf_step
-from cl_bench.replay import ReplayBuffer
+from cl_bench.data.encode import tokenize_train
+from cl_bench.tools.perf import harness
+from cl_bench.tools.perf import step as perf_step
+from cl_bench.data.replay import ReplayBuffer
 
 
 def main(argv=None) -> int:

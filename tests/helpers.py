@@ -13,11 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cl_bench import registry, results
+from cl_bench import registry
+from cl_bench.record import io as results
 from cl_bench.benchmarks.trace.loader import Example
 from cl_bench.cli import main
 from cl_bench.config import RunConfig, TrainConfig, resolve
-from cl_bench.data import IGNORE, Encoder, collate
+from cl_bench.data.encode import IGNORE, Encoder, collate
 from cl_bench.method import MethodContext, Stage
 from cl_bench.models.loading import tiny_llama
 
@@ -292,11 +293,11 @@ def assert_same_run(a: Path, b: Path, rtol: float = LOSS_RTOL, atol: float = 1e-
 
 def assert_decodes_as_the_plain_loop(model, prompts: list[list[int]], new_tokens: int, pad_id: int,
                                      batch_size: int) -> None:
-    """cl_bench.generation's outputs equal the plain loop's (cl_bench/perf/plain_decoding.py)
+    """cl_bench.eval.generation's outputs equal the plain loop's (cl_bench/tools/perf/plain_decoding.py)
     with an EOS picked so that rows stop at different steps, and some decoding step
     ran with fewer rows than the batch (the stopped rows left it)."""
-    from cl_bench.generation import greedy_generate
-    from cl_bench.perf.plain_decoding import plain_generate
+    from cl_bench.eval.generation import greedy_generate
+    from cl_bench.tools.perf.plain_decoding import plain_generate
 
     free = plain_generate(model, prompts, new_tokens, -1, pad_id, batch_size)
     # the token the first prompt's continuation makes at step 1, as EOS
@@ -317,3 +318,42 @@ def assert_decodes_as_the_plain_loop(model, prompts: list[list[int]], new_tokens
             batch = rows
         shrank |= cols == 1 and rows < batch
     assert shrank, calls
+
+
+# a hand-made run record and its predictions (the views that read records: intervals,
+# compare, claims)
+RECORD_TASKS = ["NumGLUE-cm", "C-STANCE"]
+
+
+def make_record(scores: dict, tasks=RECORD_TASKS, seed=1, n_test=None) -> tuple[dict, list[dict]]:
+    """A record (as JSON, schema 1) and predictions from per-(stage, task) item
+    scores (0 or 100); stage -1 is the zero-shot row. A correct item predicts the
+    answer itself."""
+    n = len(tasks)
+    matrix = [[None] * n for _ in range(n)]
+    zero = [None] * n
+    preds = []
+    for (b, j), items in scores.items():
+        mean = sum(items) / len(items)
+        if b < 0:
+            zero[j] = mean
+        else:
+            matrix[b][j] = mean
+        answer, wrong = ("7", "8") if tasks[j].startswith("NumGLUE") else ("A", "B")
+        for i, s in enumerate(items):  # wrong answers are well formed, except at stage 1 ("x")
+            preds.append({"stage": b, "task": tasks[j], "index": i, "prompt": "p", "answer": answer,
+                          "prediction": answer if s else ("x" if b == 1 else wrong), "score": float(s)})
+    record = {"schema_version": 1, "method": "seqft", "tasks": list(tasks), "matrix": matrix,
+              "zero_shot": zero if any(v is not None for v in zero) else None, "seed": seed,
+              "data": {t: {"test": {"indices": list(range(n_test or 4)), "sha256": "t"},
+                           "train": {"indices": [1, 2], "sha256": "r"}} for t in tasks},
+              "config": {"model": "tiny-llama", "data": {"order": tasks}, "train": {"batch_size": 4},
+                         "eval": {}, "replay": {}}}
+    return record, preds
+
+
+def write_run(folder, record, preds):
+    folder.mkdir(parents=True)
+    (folder / "run.json").write_text(json.dumps(record))
+    (folder / "predictions.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preds))
+    return folder

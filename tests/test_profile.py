@@ -8,7 +8,9 @@ import json
 import pytest
 import torch
 
-from cl_bench import precision, registry, results
+from cl_bench import registry
+from cl_bench.run import precision
+from cl_bench.record import io as results
 from cl_bench.config import build, resolve
 from cl_bench.profiles import PROFILES
 from helpers import only_run, run_cli, smoke_args
@@ -27,7 +29,7 @@ def test_a_cpu_without_native_bf16_is_warned_once(monkeypatch, caplog, choice, s
     monkeypatch.setattr(precision, "native_bf16", lambda device: False)
     monkeypatch.setattr(precision, "_WARNED", set())
     cpu = torch.device("cpu")
-    with caplog.at_level("WARNING", logger="cl_bench.precision"):
+    with caplog.at_level("WARNING", logger="cl_bench.run.precision"):
         for _ in range(3):
             precision.resolve(choice, cpu)
         precision.resolve("fp32", cpu)

@@ -11,10 +11,10 @@ import torch
 
 from cl_bench.config import RunConfig
 from cl_bench.errors import UserError
-from cl_bench.generation import greedy_generate
-from cl_bench import precision
-from cl_bench.replay import sample_rows
-from cl_bench.vllm_generation import vllm_generator
+from cl_bench.eval.generation import greedy_generate
+from cl_bench.run import precision
+from cl_bench.data.replay import sample_rows
+from cl_bench.eval.vllm_generation import vllm_generator
 
 T = TypeVar("T")
 
@@ -35,7 +35,7 @@ class Backend:
 
     @property
     def train_precision(self) -> str:
-        """'bf16' or 'fp32': what train_stage computes in (cl_bench/precision.py)."""
+        """'bf16' or 'fp32': what train_stage computes in (cl_bench/run/precision.py)."""
         return precision.resolve(self.config.train.precision, self.device)
 
     @property
@@ -52,8 +52,8 @@ class Backend:
 
     def generate(self, model, prompts: list[list[int]], max_new_tokens: int, eos_id: int, pad_id: int,
                  batch_size: int, on_batch: Callable[[int], None] | None = None) -> list[list[int]]:
-        """Greedy continuations of every prompt (eval.generator: cl_bench.generation, or
-        cl_bench.vllm_generation), on every rank."""
+        """Greedy continuations of every prompt (eval.generator: cl_bench.eval.generation, or
+        cl_bench.eval.vllm_generation), on every rank."""
         if self._vllm is not None:
             return self._vllm(model, prompts, max_new_tokens, eos_id, pad_id, batch_size, on_batch)
         return greedy_generate(model, prompts, max_new_tokens, eos_id, pad_id, batch_size, on_batch)
@@ -66,7 +66,7 @@ class Backend:
 
 
 def replay_key(seed: int, stage, epoch: int, step: int) -> str:
-    """The key of a step's replay draw (cl_bench.replay.sample_rows): one per step."""
+    """The key of a step's replay draw (cl_bench.data.replay.sample_rows): one per step."""
     return f"{seed}/{stage.label}/{epoch}/{step}"
 
 

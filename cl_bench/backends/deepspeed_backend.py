@@ -42,11 +42,11 @@ from cl_bench.backends.base import Backend, replay_key, skipped_replay
 from cl_bench.backends.torch_backend import StepCallback
 from cl_bench.backends.zero_engine import ZeroPhase
 from cl_bench.config import RunConfig
-from cl_bench.data import IGNORE, collate, epoch_order, steps
+from cl_bench.data.encode import IGNORE, collate, epoch_order, steps
 from cl_bench.errors import UserError
-from cl_bench.generation import greedy_generate
+from cl_bench.eval.generation import greedy_generate
 from cl_bench.method import Method, Stage
-from cl_bench.replay import sample_rows
+from cl_bench.data.replay import sample_rows
 
 log = logging.getLogger(__name__)
 

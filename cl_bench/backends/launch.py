@@ -2,7 +2,7 @@
 launcher, after checking once what can be checked before N processes start.
 Each rank sees RANK in its environment and runs the command as one rank of the
 deepspeed backend; SIGINT or SIGTERM to the launching process stops the
-launcher and every rank (cl_bench/signals.py).
+launcher and every rank (cl_bench/run/signals.py).
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ def must_launch(args, config) -> bool:
     from cl_bench import registry
     from cl_bench.backends import check_support
     from cl_bench.config import build
-    from cl_bench.prepare import resumable
-    from cl_bench.results import RUN_FILE, read_record
+    from cl_bench.run.prepare import resumable
+    from cl_bench.record.io import RUN_FILE, read_record
 
     if args.nproc < 1:
         raise UserError(f"--nproc {args.nproc}: give at least 1 rank")
@@ -45,7 +45,7 @@ def launch(args) -> tuple[int, bool]:
     """Start --nproc ranks of this same command (`args.argv`) through DeepSpeed's
     launcher; returns only when all have exited: (the launcher's exit code, whether
     a signal stopped them; the ranks said what the interrupt left)."""
-    from cl_bench import signals
+    from cl_bench.run import signals
     from cl_bench.backends.deepspeed_backend import free_port
 
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.nproc),

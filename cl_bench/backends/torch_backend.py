@@ -5,11 +5,11 @@ from typing import Callable
 
 import torch
 
-from cl_bench import precision
+from cl_bench.run import precision
 from cl_bench.backends.base import Backend, replay_key, skipped_replay
-from cl_bench.data import IGNORE, collate, epoch_order, steps
+from cl_bench.data.encode import IGNORE, collate, epoch_order, steps
 from cl_bench.method import Method, Stage
-from cl_bench.replay import sample_rows
+from cl_bench.data.replay import sample_rows
 
 StepCallback = Callable[[int, dict[str, float]], None]
 

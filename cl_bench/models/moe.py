@@ -64,7 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cl_bench import precision
+from cl_bench.run import precision
 from cl_bench.errors import UserError
 from cl_bench.models import balancing
 from cl_bench.models.balancing import BalancingLosses, balancing_losses  # noqa: F401 (re-exported)

@@ -5,9 +5,9 @@ place that builds the prompt masks.
 Which tokens are "the prompt" depends on the kind of forward:
 
 - a training forward (labels given): the attended tokens whose label is -100
-  (cl_bench/data.py: the prompt, right padding after the answer);
+  (cl_bench/data/encode.py: the prompt, right padding after the answer);
 - a prefill (no labels, nothing cached yet): every attended token, since the
-  harness's decoder (cl_bench/generation.py) prefills exactly the left-padded
+  harness's decoder (cl_bench/eval/generation.py) prefills exactly the left-padded
   prompts;
 - a decode step (no labels, a non-empty KV cache, one new token): none; a layer
   reuses what it computed at the prefill.
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-IGNORE = -100  # as cl_bench.data.IGNORE
+IGNORE = -100  # as cl_bench.data.encode.IGNORE
 
 POOL, DECODE = "pool", "decode"
 

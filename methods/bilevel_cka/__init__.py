@@ -43,8 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from cl_bench import precision
-from cl_bench.analysis.cka import linear_cka
+from cl_bench.run import precision
+from cl_bench.eval.probes.cka import linear_cka
 from cl_bench.errors import UserError
 from cl_bench.method import Method, MethodContext, Stage, lm_loss
 from cl_bench.models.balancing import balancing_losses
@@ -341,7 +341,7 @@ class BilevelCKA(Method):
                 "drift": None if self._drift is None else list(self._drift)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "task" in state:  # before_task has built the task again (cl_bench/run_state.py)
+        if "task" in state:  # before_task has built the task again (cl_bench/run/checkpoint.py)
             self._task.load_state_dict(state["task"])
             return
         rebuild(self.model, state["layout"], **moe_settings(self.args))

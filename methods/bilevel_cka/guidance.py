@@ -36,11 +36,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from cl_bench.analysis.cka import linear_cka
-from cl_bench.data import collate, tokenize_train
+from cl_bench.eval.probes.cka import linear_cka
+from cl_bench.data.encode import collate, tokenize_train
 from cl_bench.method import lm_loss
 from cl_bench.models.moe import decoder_layers
-from cl_bench.replay import sample_rows
+from cl_bench.data.replay import sample_rows
 
 # Letters: L_c candidate layers, K slots (experts per task), n tokens, d width.
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from cl_bench.analysis.cka import linear_cka
+from cl_bench.eval.probes.cka import linear_cka
 from cl_bench.errors import UserError
 from cl_bench.models.modes import device_of
 from cl_bench.models.moe import decoder_layers

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from cl_bench.data import IGNORE
+from cl_bench.data.encode import IGNORE
 from cl_bench.errors import UserError
 from cl_bench.method import Stage, lm_loss
 from cl_bench.models.modes import eval_mode

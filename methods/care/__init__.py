@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cl_bench.data import IGNORE, Encoder, collate
+from cl_bench.data.encode import IGNORE, Encoder, collate
 from cl_bench.errors import UserError
 from cl_bench.method import Method, Stage
 from cl_bench.models.modes import device_of, eval_mode

@@ -1,6 +1,6 @@
 """CaRE's arguments (`method_args`). Its per-task learning-rate schedule, linear
 warm-up over 3% of a task's steps then cosine to 0, is the harness's "cosine"
-schedule (cl_bench/schedule.py), declared as `CaRE.lr_schedule`; the config's
+schedule (cl_bench/run/schedule.py), declared as `CaRE.lr_schedule`; the config's
 train.lr_schedule / train.warmup_ratio override it.
 
 Source of the defaults: CaRE, ICML 2026, arXiv 2602.03473, code LMMMEng/CaRE, and

@@ -149,14 +149,14 @@ class CareMLP(nn.Module):
         self.routing: torch.Tensor | None = None  # (B, n): the last pooled forward's weights
 
     def keep_rows(self, index: torch.Tensor) -> None:
-        """Decoding goes on with rows `index` (b,) of the current ones (cl_bench/generation.py)."""
+        """Decoding goes on with rows `index` (b,) of the current ones (cl_bench/eval/generation.py)."""
         if self.routing is not None:
             self.routing = self.routing[index]
 
     @property
     def routing_weights(self) -> torch.Tensor | None:
         """(B, n) expert weights of the last pooled forward (read by the routing-drift
-        probe, cl_bench/analysis/routing.py)."""
+        probe, cl_bench/eval/probes/routing.py)."""
         return self.routing
 
     def add_triplet(self) -> None:

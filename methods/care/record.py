@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from cl_bench.data import IGNORE, collate
+from cl_bench.data.encode import IGNORE, collate
 from cl_bench.method import Stage
 
 from .args import UNIFORM_CE_TOL

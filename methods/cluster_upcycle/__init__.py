@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cl_bench.distillation import distillation_kl
+from cl_bench.losses import distillation_kl
 from cl_bench.method import Method, Stage
 from cl_bench.methods.cluster_upcycle.args import ClusterUpcycleArgs
 from cl_bench.methods.cluster_upcycle.clustering import add_centroid_groups, calibration_rows, forward_rows

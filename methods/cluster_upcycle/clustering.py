@@ -20,7 +20,7 @@ import random
 
 import torch
 
-from cl_bench.data import IGNORE, Encoder, collate
+from cl_bench.data.encode import IGNORE, Encoder, collate
 from cl_bench.errors import UserError
 from cl_bench.method import Stage
 from cl_bench.methods.cluster_upcycle.whiten import spherical_kmeans

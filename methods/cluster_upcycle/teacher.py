@@ -2,7 +2,7 @@
 (EESD; docs/methods/cluster-upcycle.md, step 5): the model with an EMA of what
 trains substituted, run with every MoE layer dense (top-k = E).
 
-Formulas (L_EESD is cl_bench.distillation.distillation_kl):
+Formulas (L_EESD is cl_bench.losses.distillation_kl):
     L_EESD = T^2 * mean over answer tokens of KL(p_teacher || p_student), p = softmax(logits / T)
     y_ens = sum_i g_i^ema E_i^ema(x);  theta_ema <- d theta_ema + (1 - d) theta after every step
 Source: cluster-aware upcycling (CAU, CVPR 2026, arXiv 2604.13508; no code).

@@ -298,7 +298,7 @@ class SAME(Method):
             for p, lin in layer.items():
                 lin.importance.copy_(saved[p])
                 lin.importance_ref.copy_(ref[p])
-        if "task" in state:  # before_task has built the task again (cl_bench/run_state.py)
+        if "task" in state:  # before_task has built the task again (cl_bench/run/checkpoint.py)
             self._load_task_state(state["task"])
 
     def param_report(self) -> dict[str, Any]:

@@ -97,13 +97,13 @@ class SAMELinear(nn.Module):
         return out + self.scale * (z @ b.T)
 
     def keep_rows(self, index: torch.Tensor) -> None:
-        """Decoding goes on with rows `index` (b,) of the current ones (cl_bench/generation.py)."""
+        """Decoding goes on with rows `index` (b,) of the current ones (cl_bench/eval/generation.py)."""
         self.rows = index if self.rows is None else self.rows[index]
 
     @property
     def routing_weights(self) -> torch.Tensor | None:
         """w (B, E) of the last routed forward (read by the routing-drift probe,
-        cl_bench/analysis/routing.py)."""
+        cl_bench/eval/probes/routing.py)."""
         return self.weights
 
     def _route(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cl_bench import results
+from cl_bench.record import io as results
 from cl_bench.errors import UserError
 from helpers import (assert_same_run, deepspeed_args, interrupted_ds_run, log_rows, only_run, run_cli, small_buckets,
                      smoke_args)
@@ -116,7 +116,7 @@ def test_a_torch_run_never_imports_deepspeed(trace_dir, tmp_path):
 def test_only_rank_zero_writes_logs_and_shows_progress(trace_dir, tmp_path, monkeypatch, capsys):
     """Every rank runs the sequencer; one that is not rank 0 writes no file and prints
     no log line or progress bar (a torch backend posing as rank 1 of 2)."""
-    from cl_bench import prepare
+    from cl_bench.run import prepare
     from cl_bench.backends.torch_backend import TorchBackend
 
     class SecondRank(TorchBackend):
@@ -171,8 +171,8 @@ def test_bf16_trains_in_bf16_and_keeps_fp32_weights_between_phases(trace_dir, tm
     master weights; between phases the model is fp32 again and holds the masters, not
     their bf16 copies, so three stages lose no precision at their boundaries."""
     from cl_bench.config import resolve
-    from cl_bench.prepare import prepare
-    from cl_bench.sequencer import execute
+    from cl_bench.run.prepare import prepare
+    from cl_bench.run.sequencer import execute
 
     config = resolve("smoke", None, {"method_args": {"lr": "1e-3"}, "backend": "deepspeed",
                                      "deepspeed": {"bf16": "true"}, "data": {"data_dir": str(trace_dir)},
@@ -208,8 +208,8 @@ def test_zero3_trains_added_experts_checkpoints_and_resumes(trace_dir, tmp_path,
     resumed from its gathered checkpoint gives the straight run's numbers; both equal
     the torch backend's."""
     from cl_bench.config import resolve
-    from cl_bench.prepare import prepare
-    from cl_bench.sequencer import execute
+    from cl_bench.run.prepare import prepare
+    from cl_bench.run.sequencer import execute
 
     flags = ["--method", "upcycle", *deepspeed_args(tmp_path, 3)]
     straight = tmp_path / "straight"

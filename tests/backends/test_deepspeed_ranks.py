@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cl_bench import results
+from cl_bench.record import io as results
 from helpers import (assert_same_run, deepspeed_args, interrupted_ds_run, make_trace, only_run, run_cli, smoke_args,
                      small_buckets)
 

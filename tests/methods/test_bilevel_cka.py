@@ -11,9 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cl_bench import registry, results
+from cl_bench import registry
+from cl_bench.record import io as results
 from cl_bench.config import ReplayConfig, RunConfig
-from cl_bench.data import collate
+from cl_bench.data.encode import collate
 from cl_bench.errors import UserError
 from cl_bench.method import MethodContext, Stage, prune_optimizer
 from cl_bench.methods.bilevel_cka import BilevelCKAArgs, mask_schedule, reachable_mask_lr, straight_through_gumbel

@@ -256,7 +256,7 @@ def test_the_drift_is_one_minus_cka_across_the_task_per_layer(probe, expand):
     "before" side read from the trained model."""
     import copy
 
-    from cl_bench.analysis.cka import linear_cka
+    from cl_bench.eval.probes.cka import linear_cka
     from cl_bench.methods.bilevel_cka.search import LayerFeatures
 
     method, model = measuring()

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from cl_bench import registry, results
+from cl_bench import registry
+from cl_bench.record import io as results
 from cl_bench.method import MethodContext, Stage, trainable_groups
 from cl_bench.models import moe
 from cl_bench.models.loading import tiny_llama

@@ -12,11 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cl_bench import registry, results
+from cl_bench import registry
+from cl_bench.record import io as results
 from cl_bench.config import resolve
-from cl_bench.data import IGNORE, Encoder, collate
+from cl_bench.data.encode import IGNORE, Encoder, collate
 from cl_bench.errors import UserError
-from cl_bench.generation import greedy_generate
+from cl_bench.eval.generation import greedy_generate
 from cl_bench.method import MethodContext, Stage
 from cl_bench.methods.care.args import UNIFORM_CE_TOL
 from cl_bench.methods.care.layer import entropy, select_routers, top_k_softmax

@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cl_bench import registry, results
+from cl_bench import registry
+from cl_bench.record import io as results
 from cl_bench.config import resolve
-from cl_bench.data import Encoder, collate
+from cl_bench.data.encode import Encoder, collate
 from cl_bench.errors import UserError
-from cl_bench.distillation import distillation_kl
+from cl_bench.losses import distillation_kl
 from cl_bench.method import MethodContext, Stage
 from cl_bench.methods.cluster_upcycle import (cluster_experts, dense_routing, drift_ladder,
                                               slice_rank_cap)

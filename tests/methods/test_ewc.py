@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cl_bench.data import IGNORE, collate
+from cl_bench.data.encode import IGNORE, collate
 from cl_bench.method import Stage, lm_loss
 from helpers import (TASK_A, TASK_B, TWO_TASKS, assert_same_as_seqft, interrupted_run, make, make_trace, metric,
                      only_run, record, run_cli, smoke_args, task, task_batch)

@@ -23,7 +23,7 @@ from cl_bench.backends.torch_backend import TorchBackend
 from cl_bench.benchmarks.trace.loader import Example
 from cl_bench.config import ReplayConfig
 from cl_bench.method import Stage
-from cl_bench.replay import ReplayBuffer
+from cl_bench.data.replay import ReplayBuffer
 from helpers import answer_ce, encode, make_method
 
 STEPS_A, STEPS_B = 20, 30  # optimiser steps on each task: one batch of all 8 examples per step

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cl_bench import results
+from cl_bench.record import io as results
 from cl_bench.errors import UserError
 from cl_bench.models.loading import tiny_llama
 from helpers import LORA_SIZE, complete_record, make_method, only_run, run_cli, smoke_args, stages, train_stage

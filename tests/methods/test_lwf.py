@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cl_bench.data import IGNORE
+from cl_bench.data.encode import IGNORE
 from cl_bench.method import Stage
 from helpers import (TASK_A, TASK_B, TWO_TASKS, answer_ce, assert_same_as_seqft, distinct_stages, encode, make,
                      make_method, make_trace, metric, only_run, record, run_cli, run_steps, smoke_args, task_batch)
@@ -57,7 +57,7 @@ def test_lwf_kl_counts_only_answer_positions():
     labels = torch.full((B, L), IGNORE)
     labels[0, 3:5] = 1
     labels[1, 4:] = 2
-    from cl_bench.distillation import distillation_kl
+    from cl_bench.losses import distillation_kl
 
     value = distillation_kl(student, teacher, labels, T)
     # By hand: positions (0,2), (0,3), (1,3), (1,4) predict answer tokens.

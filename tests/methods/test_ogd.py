@@ -84,7 +84,7 @@ def test_ogd_smoke_run(trace_dir, tmp_path):
     out = tmp_path / "runs"
     assert run_cli(*smoke_args(trace_dir, out, "--method", "ogd")) == 0
     record = complete_record(only_run(out))
-    # basis_vectors: a key of the row (record v1) or of its "diagnostics" (v2, cl_bench/record.py)
+    # basis_vectors: a key of the row (record v1) or of its "diagnostics" (v2, cl_bench/record/schema.py)
     assert [p.get("diagnostics", p)["basis_vectors"] for p in record["params"]] == [8, 16, 24]  # 8 per task
     assert [p["trainable"] for p in record["params"]] == [LORA_SIZE] * 3
     assert record["method_args"]["max_per_task"] == 200

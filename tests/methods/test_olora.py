@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from cl_bench import results
+from cl_bench.record import io as results
 from cl_bench.models.loading import tiny_llama
 from helpers import (LORA_SIZE, answer_ce, batch_of, complete_record, distinct_stages, encode, interrupted_run,
                      make_method, make_task, only_run, run_cli, run_steps, smoke_args, stages, train_stage)

@@ -16,10 +16,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cl_bench import registry, results
+from cl_bench import registry
+from cl_bench.record import io as results
 from cl_bench.config import RunConfig, TrainConfig
 from cl_bench.errors import UserError
-from cl_bench.generation import greedy_generate
+from cl_bench.eval.generation import greedy_generate
 from cl_bench.method import MethodContext, Stage
 from cl_bench.methods.same import SAMEArgs, activation_schedule, activation_scores
 from cl_bench.models.loading import tiny_llama
@@ -167,7 +168,7 @@ def test_prompt_pooling_excludes_answer_tokens_and_padding():
 
 @pytest.mark.parametrize("top_k", [0, 2])
 def test_cached_decoding_equals_the_full_forward(top_k):
-    """Prefill + one-token steps through the KV cache (cl_bench.generation, left
+    """Prefill + one-token steps through the KV cache (cl_bench.eval.generation, left
     padded batch) give the logits of one full forward over prompt + generated
     tokens with labels -100 on the prompt (the prompt alone is pooled)."""
     method, model = make(infer_top_k=top_k)
@@ -584,13 +585,13 @@ def test_smoke_run_and_resume(trace_dir, tmp_path, monkeypatch):
 # ---- the routing-drift probe ---------------------------------------------------------------
 
 def test_the_routing_probe_reads_each_routed_linears_prompt_pooled_weights():
-    """cl_bench/analysis/routing.py probes SAME's routed linears: per linear, the
+    """cl_bench/eval/probes/routing.py probes SAME's routed linears: per linear, the
     share of expert e is the probe sequences' mean weight w_b[e], the prompt pooled
     as in training. Mutations caught: no `routing_weights` (nothing probed), the
     probe's forward without labels (the answers pooled too)."""
-    from cl_bench.analysis.routing import RoutingProbe, routed_layers
+    from cl_bench.eval.probes.routing import RoutingProbe, routed_layers
     from cl_bench.benchmarks.trace.loader import Example
-    from cl_bench.data import Encoder, collate
+    from cl_bench.data.encode import Encoder, collate
     from cl_bench.models.modes import eval_mode
 
     method, model = make()

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from cl_bench import results
+from cl_bench.record import io as results
 from cl_bench.models import moe
 from cl_bench.models.loading import tiny_llama
 from helpers import interrupted_run, make_method, only_run, run_cli, smoke_args, stages, train_stage

@@ -1,0 +1,84 @@
+"""The end-of-run screen (and `cl-bench show`): the stage x task matrix with a 95%
+interval on every cell, the summary with intervals, BWT's format and content
+parts, the answer-form share of every cell and the majority-class levels."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tabulate import tabulate
+
+from cl_bench.report.general import format_general
+from cl_bench.record.schema import RunRecord
+
+SUMMARY_NAMES = {"last_acc": "Last Acc", "stage_acc": "Stage Acc", "bwt": "BWT", "fwt": "FWT",
+                 "forgetting": "Forgetting", "learn_gain": "Gain", "bwt_format": "BWT format",
+                 "bwt_content": "BWT content"}
+
+
+def _fmt(value) -> str:
+    return "–" if value is None else f"{value:.1f}"
+
+
+def with_ci(value, ci) -> str:
+    """'23.5 [18.1, 29.0]', or the value alone without an interval."""
+    if value is None:
+        return "–"
+    return f"{value:.1f} [{ci[0]:.1f}, {ci[1]:.1f}]" if ci else _fmt(value)
+
+
+def _table(record: RunRecord, zero, rows_, headers) -> str:
+    rows = []
+    if zero is not None:
+        rows.append(["zero-shot", *zero])
+    for stage, row in zip(record.stages, rows_):
+        rows.append([f"{stage.index + 1}: {stage.label}", *row])
+    return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+
+
+def format_matrix(record: RunRecord, intervals: dict | None = None) -> str:
+    tasks = record.tasks
+    iv = intervals or {}
+    cis = iv.get("matrix_ci") or [[None] * len(tasks) for _ in record.matrix]
+    zero = record.zero_shot
+    zero_cells = None if zero is None else [
+        with_ci(v, c) for v, c in zip(zero, iv.get("zero_shot_ci") or [None] * len(tasks))]
+    cells = [[with_ci(v, c) for v, c in zip(row, ci)] for row, ci in zip(record.matrix, cis)]
+    out = [f"{record.method} on {record.model.get('id', 'an unnamed model')} ({record.profile} profile, seed {record.seed})",
+           _table(record, zero_cells, cells, ["after stage", *tasks])]
+    summary = {**(record.summary or {}), **(iv.get("summary") or {})}
+    sci = iv.get("summary_ci") or {}
+    out.append(" | ".join(f"{label} {with_ci(summary[key], sci.get(key))}" for key, label in SUMMARY_NAMES.items()
+                          if summary.get(key) is not None))
+    if iv:
+        out.append(f"[95% bootstrap intervals over test items, {iv['resamples']} paired resamples, "
+                   f"seed {iv['seed']}; items per task: {', '.join(map(str, iv['n_items']))}]")
+        pct = lambda v: "–" if v is None else f"{100 * v:.0f}%"  # noqa: E731
+        zf = iv.get("zero_shot_form_share") if zero is not None else None
+        out.append("\nanswer form (share of predictions with the task's answer form):")
+        out.append(_table(record, None if zf is None else [pct(v) for v in zf],
+                          [[pct(v) for v in row] for row in iv["form_share"]], ["after stage", *tasks]))
+    majority = record.majority or {}
+    if majority:
+        out.append("majority-class level (always the most frequent training answer): " + ", ".join(
+            f"{t} {m['score']:.1f} ('{m['answer']}')" for t, m in majority.items()))
+    general = format_general(record.general, [s.label for s in record.stages])
+    if general:
+        out.append(general)
+    return "\n".join(out)
+
+
+def status_line(record: RunRecord, run_dir: Path) -> str:
+    """`cl-bench show` of a run that is not complete: where it stands and what to do, in one line."""
+    from cl_bench.tools.campaign.plan import is_running
+    from cl_bench.errors import program
+    from cl_bench.record.io import LOCK_FILE
+
+    done = f"{record.stages_done} of {len(record.stages)} stages done"
+    if is_running(run_dir):
+        pid = (run_dir / LOCK_FILE).read_text(encoding="utf-8").strip() or "unknown"
+        return f"status: running (PID {pid}), {done}; the matrix fills in as stages finish"
+    again = f"continue with: {program()} run --resume {run_dir}"
+    if record.status == "running":  # its process is gone without writing its end
+        return f"status: stopped ({record.status} when its process ended: killed?), {done}; {again}"
+    why = f" ({record.error})" if record.error else ""
+    return f"status: {record.status}{why}, {done}" + (f"; {again}" if record.status == "interrupted" else "")

@@ -1,0 +1,212 @@
+"""How long a planned run takes, from the committed records' measured timings.
+
+A run's cost is its optimiser steps times the seconds a step of its task took, plus
+its generation budget (items scored x each task's max_new_tokens) times the seconds
+a budget token took, both read off complete records of the same method and the same
+step shape (model, train precision, batch and micro-batch, prompt and answer
+lengths; the profile's name and its epochs do not change a step). A method with no
+such record gets a scaled estimate, marked as one: its record at another shape
+times the ratio between the two shapes of the methods of its family
+(Method.lr_family: an MoE method scales as the MoE methods measured at both do,
+not as dense fine-tuning), else of the baseline (SeqFT), else the baseline's own
+rates at this shape. Records ran one thread each; so do the estimates.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import mean
+
+import torch
+
+from cl_bench import registry
+from cl_bench.run import precision
+from cl_bench.record import io as results
+
+
+def shape(config: dict, train_precision: str) -> tuple:
+    t = config["train"]
+    return (config["model"], train_precision, t["batch_size"], t["micro_batch_size"], t["max_prompt_len"],
+            t["max_answer_len"])
+
+
+@dataclass
+class Rates:
+    """Seconds per optimiser step of each task's stage, and per generation budget token."""
+
+    step_s: dict[str, float]
+    token_s: float
+    source: str  # the records they come from, or how they were scaled
+    scaled: bool = False
+
+    def step(self, task: str) -> float:
+        return self.step_s.get(task, mean(self.step_s.values()))
+
+
+def _record_rates(record: dict, where: Path) -> Rates | None:
+    timing = record.get("timing") or {}
+    stages = timing.get("stages") or []
+    if not stages:
+        return None
+    step_s: dict[str, list[float]] = {}
+    for stage, timed in zip(record["stages"], stages):
+        if timed["steps"]:
+            for task in stage["tasks"]:  # a multi-task stage: each task at the stage's mean
+                step_s.setdefault(task, []).append(timed["train_s"] / timed["steps"])
+    budget = sum(m["n"] * m["max_new_tokens"] for m in record["task_metrics"])
+    eval_s = sum(s["eval_s"] for s in stages) + (timing.get("zero_shot_s") or 0.0)
+    if not step_s or not budget:
+        return None
+    return Rates({k: mean(v) for k, v in step_s.items()}, eval_s / budget, str(where))
+
+
+class Timings:
+    """The complete records under `folder`, by (method, step shape)."""
+
+    def __init__(self, folder: Path, root: Path | None = None):
+        self.by_key: dict[tuple, list[Rates]] = {}
+        root = root or folder
+        for path in sorted(folder.rglob(results.RUN_FILE)) if folder.is_dir() else []:
+            try:
+                record = json.loads(path.read_text(encoding="utf-8"))
+                if record.get("status") != "complete" or not record.get("config"):
+                    continue
+                trained = ((record.get("backend") or {}).get("precision") or {}).get("train", "fp32")
+                rates = _record_rates(record, path.parent.relative_to(root) if path.is_relative_to(root)
+                                      else path.parent)
+                key = (record["method"], shape(record["config"], trained))
+            except (ValueError, KeyError, TypeError):
+                continue  # not a run record of this schema: no timings to learn from
+            if rates is not None:
+                self.by_key.setdefault(key, []).append(rates)
+
+    def _pooled(self, method: str, at: tuple) -> Rates | None:
+        found = self.by_key.get((method, at))
+        if not found:
+            return None
+        tasks = {t for r in found for t in r.step_s}
+        names = [r.source for r in found]
+        return Rates({t: mean(r.step_s[t] for r in found if t in r.step_s) for t in tasks},
+                     mean(r.token_s for r in found),
+                     names[0] if len(names) == 1 else f"{len(names)} records: {names[-1]}, {names[0]}, ...")
+
+    def rates(self, method: str, at: tuple) -> Rates | None:
+        """The method's rates at step shape `at`: measured, else scaled (module docstring)."""
+        own = self._pooled(method, at)
+        if own is not None:
+            return own
+        for (m, other) in sorted(self.by_key, key=str):
+            if m != method:
+                continue
+            ratio = self._ratio(method, other, at)
+            if ratio is not None:
+                mine, (step, token, why) = self._pooled(method, other), ratio
+                return Rates({t: v * step for t, v in mine.step_s.items()}, mine.token_s * token,
+                             f"scaled: {mine.source} x {why}", scaled=True)
+        base = registry.baseline()
+        here = self._pooled(base, at)
+        if here is None:
+            return None
+        return dataclasses.replace(here, source=f"scaled: {base}'s rates ({here.source}), no record of {method}",
+                                   scaled=True)
+
+    def _ratio(self, method: str, other: tuple, at: tuple) -> tuple[float, float, str] | None:
+        """How much dearer a step and a budget token are at `at` than at `other`, from
+        the methods of `method`'s family (Method.lr_family: full, adapter, expert)
+        measured at both, else from the baseline."""
+        family = registry.get(method).lr_family
+        peers = sorted({m for m, _ in self.by_key if m != method and registry.get(m).lr_family == family}
+                       if family else set())
+        for group, kind in ((peers, f"the {family} family's"), ([registry.baseline()], "")):
+            found = [(m, self._pooled(m, at), self._pooled(m, other)) for m in group]
+            pairs = [(a, b) for _, a, b in found if a is not None and b is not None]
+            if pairs:
+                names = ", ".join(m for m, a, b in found if a is not None and b is not None)
+                why = f"{kind} ratio between the shapes ({names})" if kind else f"{names}'s ratio between the shapes"
+                step = mean(mean(a.step(t) / b.step(t) for t in b.step_s) for a, b in pairs)
+                token = mean(a.token_s / b.token_s for a, b in pairs)
+                return step, token, why
+        return None
+
+
+@dataclass
+class Work:
+    """A planned run's work, stage by stage: steps per task, generation budget tokens."""
+
+    steps: list[dict[str, int]]
+    budget: list[int]  # per stage
+    zero_shot: int  # the zero-shot row's budget (0: none)
+    at: tuple  # step shape
+
+    def seconds(self, rates: Rates, from_stage: int = 0, zero_shot_done: bool = False) -> float:
+        train = sum(n * rates.step(t) for s in self.steps[from_stage:] for t, n in s.items())
+        tokens = sum(self.budget[from_stage:]) + (0 if zero_shot_done else self.zero_shot)
+        return train + tokens * rates.token_s
+
+
+def planned_work(config, method_args) -> Work:
+    """What `config` trains and scores, from the data it would load (no model)."""
+    from cl_bench.benchmarks.trace import load_benchmark, resolve_data_dir
+    from cl_bench.eval.evaluation import max_new_tokens
+    from cl_bench.method import MethodContext
+
+    d = config.data
+    quiet = logging.getLogger("cl_bench.benchmarks.trace.loader")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # the sizes it would log belong to the run, not to its estimate
+    try:
+        tasks = load_benchmark(resolve_data_dir(d.data_dir), d.order, d.n_train, d.n_test, config.seed,
+                               d.n_train_per_task, d.n_test_per_task, d.test_split)
+    finally:
+        quiet.setLevel(level)
+    cls = registry.get(config.method)
+    ctx = MethodContext(config=config, device=torch.device("cpu"), tokenizer=None, all_tasks=tasks)
+    method = cls(method_args, ctx)
+    stages = method.plan(tasks)
+    ctx.n_stages = len(stages)
+    ev = config.eval
+    cost = [len(t.test) * max_new_tokens(t.spec, ev) for t in tasks]
+    steps, budget = [], []
+    for stage in stages:
+        n_phases = len(method.phases(stage))
+        t = config.train
+        per_task = {}
+        for task in stage.tasks:
+            per_task[task.name] = n_phases * t.epochs_for(task.name) * -(-len(task.train) // t.batch_size)
+        steps.append(per_task)
+        trained = sorted({tasks.index(x) for s in stages[:stage.index + 1] for x in s.tasks})
+        own = sorted(tasks.index(x) for x in stage.tasks)
+        scored = set(range(len(tasks)) if ev.eval_all else own if cls.eval_scope == "stage" else trained)
+        if ev.next_task and stage.index + 1 < len(stages):
+            scored |= {tasks.index(x) for x in stages[stage.index + 1].tasks}
+        budget.append(sum(cost[j] for j in scored))
+    zero = sum(cost) if ev.eval_all or ev.zero_shot else 0
+    trained_in = precision.resolve(config.train.precision, torch.device("cpu"))
+    return Work(steps, budget, zero, shape(config.to_dict(), trained_in))
+
+
+RECORDS = Path(__file__).resolve().parents[2] / "results"  # the committed records, in a checkout
+
+
+def for_run(config, method_args, stages_done: int = 0, zero_shot_done: bool = False,
+            records: Path | None = None) -> str:
+    """What `cl-bench run` says at its start: the time left for `config`, as the campaign
+    estimates it (module docstring), at one thread as the records ran, with the records it
+    comes from; "~" and "scaled" where no record has this method at this step shape."""
+    from cl_bench.errors import UserError
+
+    records = RECORDS if records is None else records
+    try:
+        work = planned_work(config, method_args)
+    except UserError as e:
+        return f"no estimate ({e})"
+    rates = Timings(records, records).rates(config.method, work.at) if records.is_dir() else None
+    if rates is None:
+        return (f"no estimate (no complete record of this step shape, {work.at[0]} in {work.at[1]}, "
+                f"under {records})")
+    minutes = work.seconds(rates, stages_done, zero_shot_done) / 60
+    shown = f"{minutes / 60:.1f} h" if minutes >= 90 else f"{minutes:.0f} min"
+    return f"{'~' if rates.scaled else ''}{shown} at one thread ({rates.source})"

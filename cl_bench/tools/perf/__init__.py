@@ -1,0 +1,48 @@
+"""`cl-bench perf WHAT`: the measurements behind the performance figures of docs/running.md.
+
+harness.py   zero-shot (a method's zero-shot row against another's), generation (batched against one-at-a-time decoding), harness (a
+             training stage of `--method` through the backend against a bare
+             loop), deepspeed (one rank against the torch backend)
+moe.py       moe (dispatch cost against the number of experts), upcycle-gap (the
+             loss upcycling adds before any training)
+precision.py precision (fp32 against bf16: training and decoding speed, agreement)
+eval_profile.py eval-profile (one evaluation pass: prefill, decode, overhead; the bounds),
+             eval-speed (the decoder against the plain loop it replaced)
+device.py    train-step (median step and MFU against the device's peak), gen-throughput
+             (tokens a second of each generator installed), on CUDA where visible
+step.py      step (one optimiser step of a method against another's, and the passes
+             it needs, each timed alone on the same batches)
+
+Each returns a JSON-ready dict; repeats alternate the sides and report medians.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from cl_bench.tools.perf import device
+from cl_bench.tools.perf import eval_profile
+from cl_bench.tools.perf import harness
+from cl_bench.tools.perf import moe
+from cl_bench.tools.perf import precision
+from cl_bench.tools.perf import step
+
+MEASUREMENTS: dict[str, Callable[[Any], dict]] = {
+    "generation": harness.generation,
+    "harness": harness.harness,
+    "deepspeed": harness.deepspeed,
+    "moe": lambda args: moe.moe_benchmark(repeats=args.repeats),
+    "upcycle-gap": moe.upcycle_gap,
+    "precision": precision.precision_benchmark,
+    "step": step.step,
+    "zero-shot": harness.zero_shot,
+    "eval-profile": eval_profile.eval_profile,
+    "eval-speed": eval_profile.eval_speed,
+    "train-step": device.train_step,
+    "gen-throughput": device.gen_throughput,
+}
+DEFAULT_TASK = {"upcycle-gap": "paper6", "zero-shot": "paper6", "eval-profile": "paper6", "eval-speed": "paper6", "step": "Py150,NumGLUE-ds"}  # the others: one task, NumGLUE-ds
+
+
+def run(what: str, args) -> dict:
+    args.task = args.task or DEFAULT_TASK.get(what, "NumGLUE-ds")
+    return MEASUREMENTS[what](args)

@@ -1,0 +1,41 @@
+"""`cl-bench show` of a run that is not complete says so first, with where it stands
+and what to do (mutation caught: the matrix alone, empty cells and no status, as a
+running run used to show)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from cl_bench.record import io as results
+from helpers import interrupted_run, run_cli, smoke_args
+
+
+def _show(capsys, run_dir) -> str:
+    capsys.readouterr()
+    assert run_cli("show", run_dir) == 0
+    return capsys.readouterr().out.splitlines()[0]
+
+
+def test_show_says_how_far_a_run_that_is_not_complete_is(trace_dir, tmp_path, monkeypatch, capsys):
+    run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, tmp_path / "runs"), at_stage=1)
+    line = _show(capsys, run_dir)
+    assert line.startswith("status: interrupted (KeyboardInterrupt") and line.endswith(
+        f", 1 of 3 stages done; continue with: cl-bench run --resume {run_dir}"), line
+
+    record = json.loads((run_dir / results.RUN_FILE).read_text())
+    record["status"] = "running"
+    (run_dir / results.RUN_FILE).write_text(json.dumps(record))
+    assert _show(capsys, run_dir).startswith("status: stopped (running when its process ended: killed?), 1 of 3")
+
+    code = ("import fcntl, os, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
+            "f.truncate(0); f.write(str(os.getpid())); f.flush(); print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(run_dir / results.LOCK_FILE)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert _show(capsys, run_dir) == (f"status: running (PID {holder.pid}), 1 of 3 stages done; the matrix "
+                                          f"fills in as stages finish")
+    finally:
+        holder.kill()
+        holder.wait()

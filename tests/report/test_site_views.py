@@ -1,0 +1,28 @@
+"""The site's views (cl_bench/report/site/views.py) on hand-made values: each test item's
+story over the stages, and the interval bar."""
+from cl_bench.report.site.views import _bar, item_story
+
+LABELS = ["MeetingBank", "Py150", "C-STANCE"]
+
+
+def test_a_right_answer_lost_later_is_forgotten_at_that_stage():
+    assert item_story([None, 100.0, 0.0], 1, LABELS) == ("forgotten", "right after its stage, wrong after C-STANCE")
+    assert item_story([100.0, 0.0, 100.0], 0, LABELS)[1] == \
+        "right after its stage, wrong after Py150, recovered by the last stage"
+
+
+def test_kept_never_learned_and_unscored_items():
+    assert item_story([100.0, 100.0, 100.0], 0, LABELS)[0] == "kept"
+    assert item_story([0.0, 100.0, 0.0], 0, LABELS) == ("never", "wrong right after its stage; right after Py150")
+    assert item_story([None, None, 50.0], 1, LABELS)[0] == "unseen"
+
+
+def test_graded_scores_say_the_numbers():
+    assert item_story([40.0, 35.5, 50.0], 0, LABELS) == \
+        ("forgotten", "40 right after its stage, 36 after Py150, recovered by the last stage")
+    assert item_story([40.0, 40.0, 41.0], 0, LABELS) == ("kept", "40 right after its stage, never lower after")
+
+
+def test_the_bar_places_the_interval_on_the_column_span():
+    assert _bar(20.0, 25.0, 30.0, 0.0, 40.0) == {"left": 50.0, "width": 25.0, "mean": 62.5}
+    assert _bar(None, 25.0, 30.0, 0.0, 40.0) is None

@@ -1,0 +1,56 @@
+"""The start of `cl-bench run`: the run folder and the estimated time come first, the
+estimate from the committed records as `cl-bench campaign` makes it; a stop before the
+run's record exists says how to start it again, and that command works."""
+from __future__ import annotations
+
+import shlex
+
+from cl_bench.tools.campaign import estimate
+from helpers import only_run, run_cli, smoke_args
+
+
+def _first_lines(capsys) -> list[str]:
+    return capsys.readouterr().out.splitlines()[:2]
+
+
+def test_run_names_its_folder_and_estimate_first(trace_dir, tmp_path, monkeypatch, capsys):
+    """Mutations caught: no announcement; an estimate not from the records (a record of
+    the same method and step shape turns "no estimate" into minutes, naming it)."""
+    monkeypatch.setattr(estimate, "RECORDS", tmp_path / "none")
+    assert run_cli(*smoke_args(trace_dir, tmp_path / "a", "--run-id", "first")) == 0
+    folder, left = _first_lines(capsys)
+    assert folder == f"run folder: {tmp_path / 'a' / 'first'}"
+    assert left.startswith("estimated time: no estimate (no complete record of this step shape, tiny-llama in fp32")
+
+    monkeypatch.setattr(estimate, "RECORDS", tmp_path / "a")  # the first run is now a record to learn from
+    assert run_cli(*smoke_args(trace_dir, tmp_path / "b", "--run-id", "second")) == 0
+    folder, left = _first_lines(capsys)
+    assert folder == f"run folder: {tmp_path / 'b' / 'second'}"
+    assert left.startswith("estimated time: ") and left.endswith(" min at one thread (first)"), left
+
+
+def test_a_stop_before_the_record_says_how_to_start_again(trace_dir, tmp_path, monkeypatch, capsys):
+    """A stop while the model loads leaves the folder with its lock only; the line names
+    the same command with the folder's --run-id, and that command starts the run there
+    (mutation caught: the bare "interrupted", which names neither)."""
+    from cl_bench.run import prepare
+
+    real = prepare.load
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare, "load", interrupted)
+    out = tmp_path / "runs"
+    assert run_cli(*smoke_args(trace_dir, out)) == 130
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    head, _, command = line.partition(" with: ")
+    assert head == "interrupted before the run's record was written; nothing to keep; start it again (its folder " \
+                   "counts as empty)", line
+    (run_dir,) = [p for p in out.iterdir() if p.is_dir() and p.name != ".cache"]
+    assert [p.name for p in run_dir.iterdir()] == ["run.lock"]
+    argv = shlex.split(command)
+    assert argv[:2] == ["cl-bench", "run"] and argv[-2:] == ["--run-id", run_dir.name]
+    monkeypatch.setattr(prepare, "load", real)
+    assert run_cli(*argv[1:]) == 0
+    assert only_run(out) == run_dir

@@ -1,0 +1,119 @@
+"""`cl-bench perf` (cl_bench/tools/perf/): the harness times the method given by --method;
+`upcycle-gap` measures the loss each upcycling variant adds."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from helpers import make_trace, run_cli
+
+
+def _harness(trace_dir, tmp_path, *extra) -> dict:
+    out = tmp_path / f"harness{len(extra)}.json"
+    assert run_cli("perf", "harness", "--model", "tiny-llama", "--n", "4", "--repeats", "1",
+                   "--data-dir", trace_dir, "--task", "NumGLUE-cm", "--output", out, *extra) == 0
+    return json.loads(out.read_text())
+
+
+def test_harness_times_the_method_it_is_given(trace_dir, tmp_path):
+    """Mutation caught: --method ignored (the baseline timed whatever was asked)."""
+    full, lora = _harness(trace_dir, tmp_path), _harness(trace_dir, tmp_path, "--method", "lora")
+    assert full["method"] == "seqft" and lora["method"] == "lora"
+    assert 0 < lora["trainable_params"] < full["trainable_params"] / 10
+    assert lora["median_ratio"] > 0 and len(lora["harness_s"]) == 1
+
+
+def test_an_unknown_method_fails_in_one_line(trace_dir, tmp_path, capsys):
+    assert run_cli("perf", "harness", "--model", "tiny-llama", "--method", "LoRA", "--data-dir", trace_dir) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "lora" in err
+
+
+def test_upcycle_gap_command_measures_the_loss_each_variant_adds(trace_dir, tmp_path):
+    out = tmp_path / "gap.json"
+    assert run_cli("perf", "upcycle-gap", "--model", "tiny-llama", "--task", "NumGLUE-cm,Py150",
+                   "--n", "4", "--data-dir", str(trace_dir), "--output", str(out)) == 0
+    gap = json.loads(out.read_text())
+    assert gap["tasks"] == ["NumGLUE-cm", "Py150"] and gap["command"].startswith("cl-bench perf")
+    swap, paper = gap["change_pct"]["swap"], gap["change_pct"]["add s=1 (paper code)"]
+    assert all(abs(v) < 1e-3 for v in swap.values()) and gap["within_2pct"]["swap"]
+    assert all(abs(v) > 1e-3 for v in paper.values())
+
+
+def test_step_times_the_method_against_another_and_the_passes_it_needs(trace_dir, tmp_path):
+    """bilevel-cka's stage-1 steps against upcycle's, on the same batches as its passes:
+    an outer step where the schedule puts one (min_mask_updates=1 on 2 steps: N_eff 2)."""
+    out = tmp_path / "step.json"
+    assert run_cli("perf", "step", "--model", "tiny-llama", "--method", "bilevel-cka", "--method-arg",
+                   "min_mask_updates=1", "--task", "Py150,NumGLUE-cm", "--n", "12", "--repeats", "1",
+                   "--data-dir", str(trace_dir), "--output", str(out)) == 0
+    rec = json.loads(out.read_text())
+    assert rec["method"] == "bilevel-cka" and rec["against"] == "upcycle" and rec["outer_step"] == [False, True]
+    assert set(rec["median_pass_s"]) == {"task forward and backward", "replay forward and backward",
+                                         "reference forward of one row", "outer step",
+                                         "optimiser step and clipping"}
+    assert len(rec["step_over_needed"]) == len(rec["median_step_s"]["upcycle"]) == 2
+    assert all(r > 0 for r in rec["step_over_against"])
+
+
+def test_eval_profile_splits_one_pass_into_prefill_decode_and_the_rest(trace_dir, tmp_path):
+    """Mutation caught: a step counted as a prefill (or the reverse): the calls
+    would not be one prefill a batch and one step a decoded token."""
+    out = tmp_path / "profile.json"
+    assert run_cli("perf", "eval-profile", "--model", "tiny-llama", "--task", "NumGLUE-cm,Py150", "--n", "5",
+                   "--repeats", "1", "--data-dir", str(trace_dir), "--output", str(out)) == 0
+    rec = json.loads(out.read_text())
+    assert rec["tasks"] == ["NumGLUE-cm", "Py150"] and rec["precision"] == "fp32"
+    assert rec["prefill_calls"] == 2  # one batch of 5 (batch size 16) a task
+    # at most budget - 1 steps a batch (24; 64 capped at 64), each of 1 to 5 rows
+    assert 0 < rec["decode_steps"] <= 23 + 63
+    assert rec["decode_steps"] <= rec["decode_rows"] <= 5 * rec["decode_steps"]
+    assert abs(rec["prefill_s"] + rec["decode_s"] + rec["overhead_s"] - rec["pass_s"]) < 1e-9
+    assert all(v > 0 for v in rec["bound_s"].values()) and rec["profiled_op_self_s"]["matmul_and_attention"] > 0
+
+
+def test_eval_speed_times_the_decoder_against_the_plain_loop(trace_dir, tmp_path):
+    out = tmp_path / "speed.json"
+    assert run_cli("perf", "eval-speed", "--model", "tiny-llama", "--task", "NumGLUE-cm", "--n", "3",
+                   "--repeats", "2", "--data-dir", str(trace_dir), "--output", str(out)) == 0
+    rec = json.loads(out.read_text())
+    assert rec["predictions"] == rec["identical_predictions"] == 3
+    assert len(rec["seconds"]["new"]) == len(rec["seconds"]["plain"]) == 2 and rec["speedup"] > 0
+
+
+def test_train_step_reports_tokens_flops_and_no_mfu_without_a_listed_device(tmp_path):
+    """On the CPU: the steps of one stage timed, the first left out; MFU null (no peak);
+    too few examples for two steps refused in one line."""
+    trace = make_trace(tmp_path / "trace", n_train=24)
+    out = tmp_path / "step.json"
+    assert run_cli("perf", "train-step", "--model", "tiny-llama", "--task", "NumGLUE-cm", "--n", "24",
+                   "--data-dir", str(trace), "--output", str(out)) == 0
+    rec = json.loads(out.read_text())
+    assert rec["device"] == "cpu" and rec["mfu"] is None and rec["peak_tflops"] is None
+    assert rec["steps"] == 3 and len(rec["step_s"]) == 2  # 24 examples, batches of 8 (the cpu profile)
+    assert rec["tokens_per_step"] > 0 and rec["tflops"] > 0
+    assert run_cli("perf", "train-step", "--model", "tiny-llama", "--task", "NumGLUE-cm", "--n", "12",
+                   "--data-dir", str(trace)) == 2
+
+
+def test_peak_is_matched_on_the_device_name(monkeypatch):
+    """Mutation caught: "H100" tried before "H100 PCIe" (a PCIe card's MFU against the SXM peak)."""
+    from cl_bench.tools.perf import device
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA H100 PCIe")
+    assert device.peak_tflops(torch.device("cuda"), "bf16") == ("NVIDIA H100 PCIe", 756.0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA H100 80GB HBM3")
+    assert device.peak_tflops(torch.device("cuda"), "bf16")[1] == 989.4
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "Some Card")
+    assert device.peak_tflops(torch.device("cuda"), "fp32")[1] is None
+
+
+def test_gen_throughput_runs_each_generator_installed_and_names_those_not_run(trace_dir, tmp_path):
+    out = tmp_path / "gen.json"
+    assert run_cli("perf", "gen-throughput", "--model", "tiny-llama", "--task", "NumGLUE-cm", "--n", "3",
+                   "--max-new-tokens", "4", "--repeats", "1", "--data-dir", str(trace_dir), "--output", str(out)) == 0
+    rec = json.loads(out.read_text())
+    assert list(rec["generators"]) == ["hf"] and "vllm" in rec["not_run"]
+    hf = rec["generators"]["hf"]
+    assert hf["identical_to_hf"] == 3 and hf["tokens_per_s"] > 0 and len(hf["seconds"]) == 1

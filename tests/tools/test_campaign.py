@@ -1,0 +1,462 @@
+"""`cl-bench campaign` (cl_bench/tools/campaign/): a plan's runs skipped when complete,
+resumed when interrupted, left alone while running, started otherwise, each from a
+clone of its commit; auto precision refused on a CPU without bf16; a bad plan is
+one line; each run's state and hours, and the total; the Slurm launcher through
+submitit's local executor (real job processes, a real time limit, a real requeue)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cl_bench.record import io as results
+from cl_bench.tools.campaign import code as pinning
+from cl_bench.tools.campaign import estimate
+from cl_bench.tools.campaign import launch
+from cl_bench.tools.campaign.plan import Entry, read_plan, recorded
+from cl_bench.errors import UserError
+from helpers import interrupted_run, run_cli, smoke_args
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def plan(trace_dir, tmp_path, monkeypatch):
+    """A plan of three smoke runs: one complete, one interrupted in stage 1, one new."""
+    out = tmp_path / "out"
+    assert run_cli(*smoke_args(trace_dir, out / "a", "--method", "seqft", "--run-id", "done")) == 0
+    interrupted_run(monkeypatch, *smoke_args(trace_dir, out / "b", "--method", "seqft", "--run-id", "cut"),
+                    at_stage=1)
+    flags = f"--profile smoke --data-dir {trace_dir} --method seqft --method-arg lr=1e-3"
+    path = tmp_path / "plan.txt"
+    path.write_text(f"# three runs\n{out}/a/done: {flags}\n{out}/b/cut: {flags}\n\n{out}/new: {flags}  # a comment\n")
+    return path, out
+
+
+def campaign(*argv, root: Path = ROOT) -> int:
+    """The command, from `root` (where .campaign/ goes: logs, clones, jobs); the plans
+    of these tests name absolute run folders."""
+    return run_cli("campaign", *argv, "--root", root)
+
+
+def here(*argv):
+    """A dry run on the tree as it is (the tree under test may have changes, which
+    a new run's clone of HEAD refuses)."""
+    return [*argv, "--dry-run", "--code", str(ROOT)]
+
+
+def _table(out: str) -> list[list[str]]:
+    """(state, run folder) per row of the printed table."""
+    rows = [line.split() for line in out.splitlines()[1:] if not line.startswith("total left")]
+    return [[r[0], next(w for w in r[1:] if "/" in w)] for r in rows]
+
+
+def test_dry_run_says_skip_resume_start_and_refuses_auto_without_bf16(plan, monkeypatch, capsys):
+    """Mutations caught: a complete run started again, an interrupted one started
+    afresh, auto precision let through on a CPU without bf16."""
+    path, out = plan
+    assert campaign(*here(str(path))) == 0
+    said = capsys.readouterr().out
+    assert _table(said) == [["done", f"{out}/a/done"], ["left", f"{out}/b/cut"], ["left", f"{out}/new"]]
+    assert "(resume," in said.splitlines()[2] and "(start," in said.splitlines()[3]
+
+    (out / "locked").mkdir()  # a start that died before its record: only a lock file
+    (out / "locked" / results.LOCK_FILE).write_text("")
+    path.write_text(path.read_text() + f"{out}/locked: --profile smoke --method seqft\n"
+                    f"{out}/auto: --profile smoke --method seqft --set train.precision=auto\n")
+    monkeypatch.setattr("cl_bench.run.precision.native_bf16", lambda device: True)
+    assert campaign(*here(str(path))) == 0
+    assert _table(capsys.readouterr().out)[3] == ["left", f"{out}/locked"]
+    monkeypatch.setattr("cl_bench.run.precision.native_bf16", lambda device: False)
+    assert campaign(*here(str(path))) == 2
+    assert f"{path}: lines 7 ask for precision auto or bf16" in capsys.readouterr().err
+    assert campaign(*here(str(path), "--allow-fp32")) == 0
+    path.write_text(path.read_text() + f"{out}/bf16: --profile smoke --method seqft --set eval.precision=bf16\n")
+    assert campaign(*here(str(path), "--allow-fp32")) == 2  # emulated bf16: never
+
+
+def test_a_run_whose_lock_is_held_is_shown_running_and_not_launched(plan, capsys):
+    """Mutation caught: a running run resumed a second time (its lock makes that fail)."""
+    path, out = plan
+    with results.lock_run(out / "b" / "cut"):
+        assert campaign(*here(str(path))) == 0
+    assert _table(capsys.readouterr().out)[1] == ["running", f"{out}/b/cut"]
+
+
+@pytest.mark.slow
+def test_a_run_another_process_runs_holds_a_slot_until_it_ends(plan, tmp_path):
+    """With --slots 1 and the interrupted run held by another process (an earlier
+    campaign's), the new run starts only once that lock is released. Mutation caught:
+    the slots counting only this process's runs (the new run starts at once)."""
+    path, out = plan
+    path.write_text("".join(line for line in path.read_text().splitlines(keepends=True) if "/a/done" not in line))
+    released = []
+
+    def hold():
+        with results.lock_run(out / "b" / "cut"):
+            time.sleep(8)
+            released.append((out / "new").exists())  # not started while the slot was taken
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    time.sleep(0.5)
+    try:
+        # the held run is skipped (it is running); the new one waits for its slot
+        assert campaign(str(path), "--slots", "1", "--code", str(ROOT), root=tmp_path) == 0
+    finally:
+        holder.join()
+    started = json.loads((out / "new" / "run.json").read_text())
+    assert started["status"] == "complete" and released == [False]
+
+
+def test_a_run_folder_without_its_stage_checkpoint_is_shown_stuck_and_not_launched(plan, monkeypatch, capsys):
+    """A record of 2 finished stages whose checkpoint/ is gone (git ignores it, so a
+    clone or the next machine has none): `stuck`, the reason on stderr naming the plan
+    line, and not handed to the launcher, which would have it refused. Mutation caught:
+    the stranded check dropped from the survey (shown `left` and launched), the
+    campaign ending 0 as if nothing needed a hand, the stuck run counted as left."""
+    path, out = plan
+    cut = out / "b" / "cut"
+    record = json.loads((cut / "run.json").read_text())
+    (cut / "run.json").write_text(json.dumps({**record, "stages_done": 2}))
+    results.remove_checkpoint(cut, results.CHECKPOINT_DIR)
+    launched = []
+    monkeypatch.setattr(launch, "run_local", lambda todo, *rest: launched.extend(e.run_dir for e, _, _ in todo) or 0)
+    assert campaign(str(path), "--code", str(ROOT)) == 1  # the others launched; this one needs a hand
+    said = capsys.readouterr()
+    assert _table(said.out) == [["done", f"{out}/a/done"], ["stuck", f"{out}/b/cut"], ["left", f"{out}/new"]]
+    assert f"{path}:3: {cut}/run.json: stages_done is 2" in said.err and "total left: 1 runs" in said.out
+    assert "and 1 stuck, not launched" in said.out and launched == [Path(f"{out}/new")]
+
+
+def _budgeted_run(monkeypatch, tmp_path, hours_per_real_s: float) -> None:
+    """run_local over a plan of five runs, a (0.5 h), b (5 h), c (0.4 h), d (no estimate), e (0.9 h),
+    with --hours 1 and one slot; each run a 0.3 s process; the campaign's clock runs
+    `hours_per_real_s` hours a real second."""
+    real = launch.clock
+    t0 = real()
+    monkeypatch.setattr(launch, "clock", lambda: t0 + (real() - t0) * hours_per_real_s * 3600)
+    monkeypatch.setattr(launch, "command", lambda entry, resume: [sys.executable, "-c", "import time; time.sleep(0.3)"])
+    todo = [(Entry(Path(f"out/{n}"), ["--profile", "smoke"], i), "start", tmp_path) for i, n in enumerate("abcde")]
+    budget = launch.Budget(1.0, {Path("out/a"): 0.5, Path("out/b"): 5.0, Path("out/c"): 0.4, Path("out/d"): None,
+                                 Path("out/e"): 0.9})
+    assert launch.run_local(todo, tmp_path, 1, 1, budget=budget) == 0
+
+
+def test_hours_starts_a_run_only_while_its_estimate_fits_what_is_left(tmp_path, monkeypatch, capsys):
+    """--hours 1, one slot: a (0.5 h) starts; b (5 h), d (no estimate) and e (0.9 h,
+    over the hour with the margin) never do; c (0.4 h), later in the plan, takes the
+    slot after a while it still fits, and not once a's run has used up the rest.
+    Mutations caught: the budget ignored (b starts), the margin dropped (e starts),
+    the time already spent not counted (c starts on the fast clock), a run that does
+    not fit blocking the later ones (c never starts on the still clock)."""
+    for per_s, started in ((0.0, ["out/a", "out/c"]), (3.0, ["out/a"])):
+        _budgeted_run(monkeypatch, tmp_path, per_s)
+        said = capsys.readouterr().out.splitlines()
+        assert [line.split()[2] for line in said if line.split()[1] == "start"] == started, said
+        skipped = {line.split()[3]: line for line in said if " not started " in line}
+        assert set(skipped) == {"out/a", "out/b", "out/c", "out/d", "out/e"} - set(started)
+        assert "(needs 5.00 h, 5.75 h with the margin; " in skipped["out/b"] and "(no estimate; " in skipped["out/d"]
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--hours", "0"], "--hours 0 must be a number of hours > 0"),
+    (["--hours", "2", "--launcher", "slurm", "--slurm", "x.yaml"], "--hours is for the local launcher"),
+])
+def test_bad_hours_are_one_message(plan, capsys, flags, says):
+    path, _ = plan
+    assert campaign(str(path), *flags, "--dry-run") == 2
+    assert says in capsys.readouterr().err
+
+
+def test_two_campaigns_started_together_make_the_clone_once(tmp_path, monkeypatch):
+    """Two campaigns started at once (one a plan) both need HEAD's clone: the second
+    waits for the first's and uses it, and no half-made clone is left. Mutation
+    caught: the lock dropped (the second clones beside the first, and its rename onto
+    the finished clone fails; before the lock it removed the first's clone midway).
+    A killed attempt's half-made clone is removed; a clone that cannot be made is one
+    message and leaves nothing."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "pyproject.toml").write_text('[tool.setuptools.package-dir]\npkg = "pkg"\n')
+    for argv in (["init", "--quiet"], ["add", "pyproject.toml"],
+                 ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "--quiet", "-m", "one"]):
+        pinning.git(repo, *argv)
+    head = pinning.git(repo, "rev-parse", "HEAD")
+    real = pinning.link_packages
+
+    def slow(code):  # the first clone is still being made when the second campaign looks
+        time.sleep(1.0)
+        real(code)
+
+    monkeypatch.setattr(pinning, "link_packages", slow)
+    (repo / ".campaign" / f"code-{head[:12]}.partial-killed").mkdir(parents=True)  # an attempt killed midway
+    made, errors = [], []
+
+    def one():
+        try:
+            made.append(pinning.checkout(repo, head))
+        except Exception as e:  # noqa: BLE001 - any failure fails the test below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and made == [repo / ".campaign" / f"code-{head[:12]}"] * 2, errors
+    assert sorted(p.name for p in (repo / ".campaign").iterdir() if p.is_dir()) == [f"code-{head[:12]}"]
+    with pytest.raises(UserError, match="cannot make the clone of 000000000000"):  # one line, nothing left
+        pinning.checkout(repo, "0" * 40)
+    assert sorted(p.name for p in (repo / ".campaign").iterdir() if p.is_dir()) == [f"code-{head[:12]}"]
+
+
+def test_a_resumed_run_takes_the_commit_it_started_from_and_says_what_the_line_changed(plan, capsys):
+    """Mutations caught: resuming with HEAD's code (two versions in one run), a run
+    from an unknown commit resumed anyway, a changed line passed over in silence."""
+    path, out = plan
+    record = out / "b" / "cut" / "run.json"
+    data = json.loads(record.read_text())
+    first = pinning.git(ROOT, "rev-list", "--max-parents=0", "HEAD").splitlines()[0]  # any commit of the repository
+    record.write_text(json.dumps({**data, "git_commit": first}))
+    entries = read_plan(path)
+    assert pinning.commit_of(entries[1], recorded(entries[1], ROOT), ROOT) == first
+    record.write_text(json.dumps({**data, "git_commit": "0" * 40}))
+    with pytest.raises(UserError, match="not a commit of this repository; resume it by hand"):
+        pinning.commit_of(entries[1], recorded(entries[1], ROOT), ROOT)
+
+    path.write_text(path.read_text().replace("lr=1e-3\n", "lr=1e-2\n", 2))
+    assert campaign(*here(str(path))) == 0
+    said = capsys.readouterr().err
+    assert "is resumed as recorded, though the line now asks for method_args.lr 0.001 -> 0.01" in said
+
+
+@pytest.mark.parametrize("line, says", [
+    ("results/x --profile smoke", "write '<output dir>/<run id>: <cl-bench run flags>'"),
+    ("results/x: --profile smoke --run-id=y", "drop --run-id"),
+    ("results/x: --profile smoke --set 'a=b", "cannot split the flags (No closing quotation)"),
+    ("results/x: --profile smoke --method nope", "unknown method 'nope'"),
+    ("results/x: --profile smoke --no-such-flag", "these are not `cl-bench run` flags"),
+    # flags `run` refuses before loading anything are refused here too, not at launch
+    ("results/x: --profile smoke --method-arg lr=-1", "method_args.lr=-1.0 must be a finite number > 0"),
+    ("results/x: --profile smoke --order nope", "nope"),
+    ("../../../x: --profile smoke", "'../../../x' has a '.' or '..' part; name the run folder plainly"),
+    ("results/..: --profile smoke", "'results/..' has a '.' or '..' part"),
+])
+def test_a_bad_plan_line_is_one_message_naming_the_line(tmp_path, capsys, line, says):
+    path = tmp_path / "plan.txt"
+    path.write_text(f"# header\n{line}\n")
+    before = sorted(p for p in tmp_path.rglob("*"))
+    assert campaign(*here(str(path))) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"error: {path}:2: ") and says in err and "Traceback" not in err
+    assert sorted(p for p in tmp_path.rglob("*")) == before and not (tmp_path / "x").exists()
+
+
+def test_runs_of_the_same_id_in_two_folders_log_apart(tmp_path):
+    """a/x and b/x are two runs: two logs (mutation caught: logs keyed by the run id)."""
+    path = tmp_path / "plan.txt"
+    path.write_text("results/a/x: --profile smoke\nresults/b/x: --profile smoke\n/abs/c/x: --profile smoke\n")
+    logs = [e.log_path(tmp_path) for e in read_plan(path)]
+    assert [p.name for p in logs] == ["results__a__x.log", "results__b__x.log", "abs__c__x.log"]
+    assert {p.parent for p in logs} == {tmp_path / ".campaign" / "logs"}
+
+
+def test_an_unreadable_record_is_one_message(plan, capsys):
+    path, out = plan
+    (out / "b" / "cut" / "run.json").write_text("{")
+    assert campaign(*here(str(path))) == 2
+    assert f"{out}/b/cut/run.json: not a readable run record" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, says", [
+    ("partition: [unclosed", "cannot read the Slurm settings"),
+    ("partitoin: cpu\n", "unknown Slurm setting(s) ['partitoin']"),
+    ("time_min: 0\n", "time_min=0 must be a number > 0"),
+    ("executor: pbs\n", "executor='pbs' must be slurm, local or debug"),
+])
+def test_bad_slurm_settings_are_one_message(plan, tmp_path, capsys, content, says):
+    path, _ = plan
+    settings = tmp_path / "slurm.yaml"
+    settings.write_text(content)
+    assert campaign(str(path), "--launcher", "slurm", "--slurm", str(settings), "--code", str(ROOT)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0] and str(settings) in err[0]
+
+
+# ---- estimates -----------------------------------------------------------------------
+
+def _record(tmp, name, method, seconds_per_step, token_s, prec="bf16", model="m"):
+    """A complete record: two stages of tasks A and B, 10 steps each, 100 budget tokens each."""
+    folder = tmp / name
+    folder.mkdir(parents=True)
+    config = {"model": model, "train": {"batch_size": 8, "micro_batch_size": 4, "max_prompt_len": 256,
+                                        "max_answer_len": 96}}
+    stages = [{"stage": b, "train_s": 10 * s, "eval_s": 100 * token_s, "steps": 10}
+              for b, s in enumerate(seconds_per_step)]
+    (folder / "run.json").write_text(json.dumps({
+        "status": "complete", "method": method, "config": config, "backend": {"precision": {"train": prec}},
+        "stages": [{"tasks": ["A"]}, {"tasks": ["B"]}], "timing": {"stages": stages, "zero_shot_s": 0.0},
+        "task_metrics": [{"n": 10, "max_new_tokens": 10}, {"n": 10, "max_new_tokens": 10}]}))
+
+
+def test_estimates_come_from_the_same_methods_records_else_are_scaled_and_marked(tmp_path):
+    """Per-task step rates and the per-token rate of the method's own records; a
+    method measured only at another shape scales as its family does there (the
+    MoE family, not SeqFT, for an MoE method); otherwise SeqFT's rates, marked.
+    Mutations caught: rates pooled across methods, scaled by the baseline where the
+    family was measured, the mark dropped."""
+    _record(tmp_path, "seqft-bf16", "seqft", [1.0, 2.0], 0.01)
+    _record(tmp_path, "seqft-fp32", "seqft", [2.0, 4.0], 0.02, prec="fp32")
+    _record(tmp_path, "upcycle-bf16", "upcycle", [3.0, 3.0], 0.03)
+    _record(tmp_path, "upcycle-fp32", "upcycle", [1.0, 1.0], 0.01, prec="fp32")
+    _record(tmp_path, "btx-fp32", "btx", [5.0, 7.0], 0.05, prec="fp32")
+    timings = estimate.Timings(tmp_path)
+    at = ("m", "bf16", 8, 4, 256, 96)
+    work = estimate.Work(steps=[{"A": 4}, {"B": 6}], budget=[50, 80], zero_shot=20, at=at)
+
+    own = timings.rates("seqft", at)
+    assert not own.scaled and own.step_s == {"A": 1.0, "B": 2.0} and own.token_s == pytest.approx(0.01)
+    assert work.seconds(own) == pytest.approx(4 * 1 + 6 * 2 + 150 * 0.01)
+    assert work.seconds(own, from_stage=1, zero_shot_done=True) == pytest.approx(6 * 2 + 80 * 0.01)
+
+    btx = timings.rates("btx", at)  # upcycle is 3x dearer a step and a token in bf16 than in fp32
+    assert btx.scaled and "expert family" in btx.source and "upcycle" in btx.source
+    assert btx.step_s == pytest.approx({"A": 15.0, "B": 21.0}) and btx.token_s == pytest.approx(0.15)
+
+    other = timings.rates("multitask", at)
+    assert other.scaled and other.source.startswith("scaled: seqft's rates") and other.step_s == own.step_s
+    assert timings.rates("seqft", ("other model", "bf16", 8, 4, 256, 96)) is None
+
+
+@pytest.mark.slow
+def test_status_shows_hours_from_the_committed_records_and_the_total(plan, tmp_path, capsys):
+    path, out = plan
+    assert campaign(str(path), "--status", "--code", str(ROOT), "--records", str(out / "a")) == 0
+    said = capsys.readouterr().out.splitlines()
+    took = json.loads((out / "a" / "done" / "run.json").read_text())["timing"]["total_s"] / 3600
+    assert said[1].split()[:2] == ["done", f"{took:.2f}"]
+    for line in said[2:4]:  # measured from the complete record (smoke runs: a few seconds, 0.00 h)
+        assert line.split()[:2] == ["left", "0.00"] and line.endswith(f"; {out / 'a' / 'done'})")
+    assert said[-1] == "total left: 2 runs, 0.0 h at one thread a run (0.0 h on 2 slots)"
+
+
+@pytest.mark.slow
+def test_a_campaign_runs_a_clones_code_finishes_every_run_and_leaves_the_complete_one_alone(
+        plan, tmp_path, monkeypatch):
+    """The runs import every package from the clone, methods included, and record
+    its commit. Mutations caught: the live tree imported (no -P, or methods/ not
+    linked), the complete run re-run, the interrupted run started afresh."""
+    path, out = plan
+    code = tmp_path / "code"
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(code)], check=True)
+    marker = tmp_path / "imported"
+    with open(code / "methods" / "__init__.py", "a") as f:  # each run notes where its methods came from
+        f.write("import os\nif os.environ.get('CAMPAIGN_MARKER'):\n"
+                "    open(os.environ['CAMPAIGN_MARKER'], 'a').write(__file__ + '\\n')\n")
+    subprocess.run(["git", "-C", str(code), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "--quiet", "-am",
+                    "marker"], check=True)  # a clean clone: its runs record its commit
+    monkeypatch.setenv("CAMPAIGN_MARKER", str(marker))
+    before = (out / "a" / "done" / "run.json").read_bytes()
+    assert campaign(str(path), "--slots", "2", "--code", str(code), root=tmp_path) == 0
+    assert (out / "a" / "done" / "run.json").read_bytes() == before
+    records = {name: json.loads((out / name / "run.json").read_text()) for name in ("b/cut", "new")}
+    assert all(r["status"] == "complete" for r in records.values())
+    assert [r["at_stage"] for r in records["b/cut"]["resumes"]] == [1]
+    assert not records["new"].get("resumes")
+    assert records["new"]["git_commit"] == pinning.git(code, "rev-parse", "HEAD")
+    imported = marker.read_text().splitlines()
+    assert len(imported) == 2 and all(Path(p).resolve().is_relative_to(code.resolve()) for p in imported)
+
+
+def _preempt_when_checkpointed(run_dir: Path, done: threading.Event) -> None:
+    """Once `run_dir` has an in-stage checkpoint, send SIGUSR2 (Slurm's preemption
+    signal as submitit sets it up) to the job process running it: the parent of its
+    `cl-bench run` process."""
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and not done.is_set():
+        if results.has_checkpoint(run_dir, results.STEP_CHECKPOINT_DIR):
+            for proc in Path("/proc").glob("[0-9]*"):
+                try:
+                    argv = (proc / "cmdline").read_bytes().split(b"\0")
+                    parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+                if b"cl_bench.cli" in argv and str(run_dir.name).encode() in argv:
+                    os.kill(parent, signal.SIGUSR2)
+                    return
+        time.sleep(0.1)
+
+
+def _campaign_process(*argv, root: Path) -> subprocess.CompletedProcess:
+    """The command in its own process: submitit's executors log to the stderr they
+    first see, which in pytest's process is a capture that closes after the test."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "cl_bench.cli", "campaign", *map(str, argv), "--root", str(root)],
+                          env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_slurm_jobs_through_submitit_finish_a_preempted_run_and_rerun_nothing(trace_dir, tmp_path):
+    """Two smoke runs as jobs of submitit's local executor (real processes under its
+    controller, which requeues a job that asks for it). The first job is preempted
+    (SIGUSR2, as Slurm signals it) once its run has an in-stage checkpoint: it stops
+    the run (SIGTERM: the record says interrupted) and is requeued, and the requeued
+    job resumes the run from that checkpoint. Then the campaign again says both are
+    done and submits nothing. Mutations caught: a job that is not requeued
+    (checkpoint() missing: the run stays interrupted and the job fails), a requeued
+    job that starts the run afresh (no in-stage resume in its record)."""
+    out = tmp_path / "out"
+    base = f"--profile smoke --data-dir {trace_dir} --method seqft --method-arg lr=1e-3"
+    long = "--set train.epochs=30 --set train.checkpoint_every_s=0"
+    path = tmp_path / "plan.txt"
+    path.write_text(f"{out}/long: {base} {long}\n{out}/short: {base}\n")
+    settings = tmp_path / "slurm.yaml"
+    settings.write_text("executor: local\ntime_min: 20\nmax_requeues: 2\ncpus_per_task: 1\n")
+    args = [str(path), "--launcher", "slurm", "--slurm", str(settings), "--code", str(ROOT)]
+    done = threading.Event()
+    preempt = threading.Thread(target=_preempt_when_checkpointed, args=(out / "long", done))
+    preempt.start()
+    try:
+        first = _campaign_process(*args, "--wait", root=tmp_path)
+    finally:
+        done.set()
+        preempt.join()
+    assert first.returncode == 0, first.stderr[-3000:]
+    said = first.stdout
+    assert said.count("submitted") == 2 and said.count("finished") == 2, said
+    long_run = json.loads((out / "long" / "run.json").read_text())
+    short_run = json.loads((out / "short" / "run.json").read_text())
+    assert long_run["status"] == short_run["status"] == "complete"
+    assert [list(r) for r in long_run["resumes"]] and any("at_step" in r for r in long_run["resumes"]), long_run
+    assert not short_run.get("resumes")
+    assert "preempted" in "".join(p.read_text() for p in (tmp_path / ".campaign" / "slurm").glob("*_log.err"))
+
+    before = {name: (out / name / "run.json").read_bytes() for name in ("long", "short")}
+    second = _campaign_process(*args, "--wait", root=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    again = second.stdout
+    assert "submitted" not in again and [r[0] for r in _table(again)] == ["done", "done"]
+    assert {name: (out / name / "run.json").read_bytes() for name in ("long", "short")} == before
+
+
+def test_the_sbatch_script_carries_the_settings(tmp_path):
+    """What Slurm would be given (submitit writes the script; no sbatch is called)."""
+    settings = tmp_path / "slurm.yaml"
+    settings.write_text("partition: cpu\ntime_min: 90\nsignal_delay_s: 60\ncpus_per_task: 2\nmem_gb: 24\n"
+                        "additional: {account: lab}\n")
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    params = launch.sbatch_parameters(launch.SlurmSettings.load(settings))
+    script = _make_sbatch_string(command="python -m x", folder=tmp_path, **params)
+    for line in ("--partition=cpu", "--time=90", "--signal=USR2@60", "--cpus-per-task=2", "--mem=24GB",
+                 "--account=lab"):
+        assert f"#SBATCH {line}" in script, (line, script)
