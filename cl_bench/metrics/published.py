@@ -1,0 +1,49 @@
+"""Summaries of a stage x task matrix as other codebases define them, for setting a
+run beside a published table. R[b][j] as in cl_bench/metrics/cl.py (0-based, None:
+not evaluated); T = the number of tasks.
+
+cl-bench's own summaries (cl.py) stay the reference; these differ in divisor or
+clamping, and each names its source.
+
+TRACE's BWT is not here: BeyonderXX/TRACE has no code that computes OP or BWT (its
+evaluation scripts score single cells), and the paper's formula could not be read
+from a source available to this project, so only the OP the issue defines (the
+final-row mean) is given. See docs/protocol.md, "Published definitions".
+"""
+
+from statistics import fmean
+
+from cl_bench.metrics.cl import _rows
+
+
+def trace_op(R) -> float | None:
+    """TRACE's OP (Overall Performance; Wang et al., 2023) = mean_j R[last row][j], the
+    mean of the matrix's final row: the last stage's scores on every task.
+
+    None when the final row misses a task (the Individual-FT reference, whose rows
+    hold one task each). Equals cl.last_acc on a complete lower-triangular run.
+    """
+    rows = _rows(R)
+    if not rows or any(v is None for v in rows[-1]):
+        return None
+    return fmean(rows[-1])
+
+
+def treelora_bwt(R) -> float | None:
+    """BWT as TreeLoRA's `inference/collect_results.py` (ZinYY/TreeLoRA) computes it:
+        (1/T) * sum_{i<T} min(R[T-1][i] - R[i][i], 0)
+    every gain clamped to 0 and the sum divided by T (the last task's own term,
+    always 0, included), where cl.bwt divides the unclamped sum over i < T-1 by T-1.
+    So it is never above 0, and a method whose old tasks improve shows no gain.
+
+    None unless R is square (one stage per task) with the diagonal and the final
+    row present.
+    """
+    rows = _rows(R)
+    t = len(rows)
+    if t == 0 or len(rows[0]) != t:
+        return None
+    pairs = [(rows[t - 1][i], rows[i][i]) for i in range(t)]
+    if any(a is None or b is None for a, b in pairs):
+        return None
+    return sum(min(a - b, 0.0) for a, b in pairs) / t
