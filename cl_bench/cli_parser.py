@@ -120,12 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("leaderboard", help="tables from run records")
     p.add_argument("--runs", type=Path, default=Path("results"), help="folder of run folders")
     p.add_argument("--format", choices=["md", "csv", "latex"], default="md")
-    p.add_argument("--view", choices=["scores", "winners", "forms", "sources"], default="scores",
+    p.add_argument("--view", choices=["scores", "winners", "forms", "sources", "published"], default="scores",
                    help="scores: the leaderboard (default); winners: the best row on each score with the rows "
                         "not distinguishable from it (on BWT only rows whose Gain is above 0 at 95%), the cheapest on "
                         "each cost; forms: each row's BWT split "
                         "into answer form and content; sources: per MoE row, whether its forgetting tracks routing drift or "
-                        "representation change (cl_bench/report/figures/sources.py)")
+                        "representation change (cl_bench/report/figures/sources.py); published: per run, TRACE's OP, "
+                        "TreeLoRA's BWT and the cells as TRACE's own code scores them (cl_bench/report/published.py)")
     p.add_argument("--update-readme", type=Path, metavar="README",
                    help="also write the Markdown table between the section's markers of README")
     p.add_argument("--section", default="leaderboard",

@@ -65,3 +65,13 @@ def test_a_run_without_predictions_shows_dashes_and_the_sources(tmp_path):
     csv = published.format_table(df, "csv")
     assert csv.splitlines()[0].startswith("Run,Method,Profile,Precision,Tasks,OP [TRACE],BWT [TreeLoRA]")
     assert "TreeLoRA inference" not in csv  # raw numbers, no legend
+
+
+def test_cli_view_published_prints_the_table(tmp_path, capsys):
+    from helpers import run_cli
+
+    write_run(tmp_path, "seqft-a")
+    assert run_cli("leaderboard", "--runs", tmp_path, "--view", "published", "--format", "csv") == 0
+    header, row = capsys.readouterr().out.splitlines()
+    assert header.startswith("Run,Method,Profile,Precision,Tasks,OP [TRACE],BWT [TreeLoRA]")
+    assert row.startswith("seqft-a,seqft,cpu,") and ",25.0,-25.0," in row
