@@ -48,7 +48,8 @@ def sources() -> list[str]:
         "[TRACE eval] each cell as BeyonderXX/TRACE metrics.py and evaluations/eval_*.py score it: rouge==1.0.1 "
         f"ROUGE-L, fuzzywuzzy fuzz.ratio ({trace_scorers.fuzz_backend()} backend), SARI as HF's metric, "
         "exact-match accuracy unstripped; from the run's predictions.jsonl.",
-        "[cl-bench] the run record's summary: Last Acc (final-row mean) and BWT = (1/(T-1)) sum_{i<T-1} "
+        "[cl-bench] the run record's summary: Last Acc (each task's last score, averaged: the final-row mean "
+        "on a complete run) and BWT = (1/(T-1)) sum_{i<T-1} "
         "(R[T-1][i] - R[i][i]), cl-bench's scorers.",
         "TRACE's own BWT is not shown: its repository has no code for it and its formula could not be "
         "read from a source (docs/protocol.md, Published definitions).",
