@@ -22,7 +22,8 @@ def _add_run(sub) -> None:
     p = sub.add_parser("run", help="train a method over a TRACE task sequence and score it",
                        description="Train a continual-learning method task after task, evaluate "
                                    "after each stage, and write <output-dir>/<run-id>/run.json.")
-    p.add_argument("--method", help="method name (see `cl-bench list`); default seqft")
+    p.add_argument("--method", help="method name (see `cl-bench list`); default: the baseline, the method that "
+                                     "declares `baseline` (full fine-tuning)")
     p.add_argument("--model", help="smollm2-135m | tiny-llama | a local HF directory | a hub id")
     p.add_argument("--profile", help="smoke | cpu | cpu-long | paper (default: the config file's, else cpu)")
     p.add_argument("--config", type=Path, help="YAML file of config fields (profile <- file <- flags)")
@@ -215,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "zero-shot", "eval-profile", "eval-speed", "train-step",
                                   "gen-throughput"])
     p.add_argument("--method", help="harness, deepspeed, step: the method whose stage is timed (default: the baseline)")
-    p.add_argument("--against", default="upcycle", help="step, zero-shot: the method it is timed against")
+    p.add_argument("--against", metavar="METHOD", help="step, zero-shot (required): the method it is timed against")
     p.add_argument("--method-arg", action="append", metavar="K=V", help="step: an argument of --method (repeatable)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--task", help="task(s) or order; default NumGLUE-ds (upcycle-gap: paper6; step: Py150,NumGLUE-ds)")

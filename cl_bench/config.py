@@ -38,9 +38,6 @@ class DataConfig:
     def n_train_for(self, task: str) -> int | None:
         return self.n_train_per_task.get(task, self.n_train)
 
-    def n_test_for(self, task: str) -> int | None:
-        return self.n_test_per_task.get(task, self.n_test)
-
 
 @dataclass
 class TrainConfig:

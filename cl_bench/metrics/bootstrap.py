@@ -12,7 +12,7 @@ Shapes: B = resamples, S = stages (rows of R), T = tasks, n_j = test items of j.
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -48,12 +48,6 @@ def interval(values: np.ndarray, level: float = LEVEL) -> tuple[float, float] | 
     tail = (1 - level) / 2 * 100
     lo, hi = np.percentile(v, [tail, 100 - tail])
     return float(lo), float(hi)
-
-
-def replicate(fn: Callable[..., float | None], *arrays: np.ndarray) -> np.ndarray:
-    """fn applied to replicate r of each array (B along axis 0); None -> NaN."""
-    out = [fn(*(a[r] for a in arrays)) for r in range(len(arrays[0]))]
-    return np.array([np.nan if v is None else v for v in out], float)
 
 
 def paired_difference(a: np.ndarray, b: np.ndarray, estimate: float,

@@ -58,7 +58,6 @@ per group, h = H/K expert width, E experts in the layer, k experts per token.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +70,6 @@ from cl_bench.models.balancing import BalancingLosses, balancing_losses  # noqa:
 from cl_bench.models.expert_init import (ExpertInit, drop_upcycle_experts, drop_upcycle_init,  # noqa: F401
                                          slice_experts, zero_experts)
 
-SAVE_FORMAT = "cl-bench-upcycled/2"
 SHARED_MODES = ("swap", "add")
 
 
@@ -137,10 +135,6 @@ class UpcycledMoE(nn.Module):
 
     def group_sizes(self) -> list[int]:
         return [len(g) for g in self.groups]
-
-    def settings(self) -> dict:
-        return {"k": self.k, "n_per_group": self.n_per_group, "lb_coef": self.lb_coef,
-                "shared": self.shared, "routed_scale_init": self.routed_scale_init}
 
     def add_group(self, init: ExpertInit = slice_experts, router_std: float = 0.02,
                   slots=None) -> list[nn.Parameter]:
@@ -375,21 +369,3 @@ def rebuild(model: nn.Module, layout: list, *, k: int = 2, n_per_group: int = 8,
         for n in want[len(have):]:
             block.mlp.add_group(functools.partial(zero_experts, n=n), router_std=0.0)
     return moe_layers(model)
-
-
-def save_upcycled(model: nn.Module, path: str | Path) -> None:
-    """The state_dict with what `rebuild` needs (group sizes and layer settings)."""
-    settings = [m.settings() for m in moe_layers(model)]
-    torch.save({"format": SAVE_FORMAT, "layout": group_sizes(model),
-                "settings": settings[0] if settings else None,
-                "state_dict": model.state_dict()}, path)
-
-
-def load_upcycled(model: nn.Module, path: str | Path, map_location="cpu") -> nn.Module:
-    """Rebuild the dense `model` (same base architecture) to the saved layout and load."""
-    saved = torch.load(path, map_location=map_location, weights_only=True)
-    if saved.get("format") != SAVE_FORMAT:
-        raise UserError(f"{path}: not a cl-bench upcycled model (format {saved.get('format')!r})")
-    rebuild(model, saved["layout"], **(saved["settings"] or {}))
-    model.load_state_dict(saved["state_dict"])
-    return model

@@ -5,7 +5,6 @@ figure beside it (linked where it lies), with the command that wrote them."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from cl_bench.errors import UserError
 from cl_bench.tools.tuning.sensitivity import cell

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from cl_bench.errors import UserError
 from cl_bench.tools.perf import device
 from cl_bench.tools.perf import eval_profile
 from cl_bench.tools.perf import harness
@@ -41,8 +42,12 @@ MEASUREMENTS: dict[str, Callable[[Any], dict]] = {
     "gen-throughput": device.gen_throughput,
 }
 DEFAULT_TASK = {"upcycle-gap": "paper6", "zero-shot": "paper6", "eval-profile": "paper6", "eval-speed": "paper6", "step": "Py150,NumGLUE-ds"}  # the others: one task, NumGLUE-ds
+NEEDS_AGAINST = ("step", "zero-shot")  # measurements of --method against another method
 
 
 def run(what: str, args) -> dict:
+    if what in NEEDS_AGAINST and not args.against:
+        raise UserError(f"perf {what} times --method against another method: give --against METHOD "
+                        f"(see `cl-bench list`)")
     args.task = args.task or DEFAULT_TASK.get(what, "NumGLUE-ds")
     return MEASUREMENTS[what](args)

@@ -54,9 +54,6 @@ class MethodGrid:
         """The strength's points at the chosen rate (its default's point is the rate's point)."""
         return [{"lr": lr, self.strength: v} for v in self.values] if self.strength else []
 
-    def base_args(self) -> dict[str, float]:
-        return {"lr": self.base_lr, **({self.strength: self.base_strength} if self.strength else {})}
-
 
 @dataclass
 class Finals:

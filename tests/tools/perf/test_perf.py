@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from helpers import make_trace, run_cli
@@ -41,12 +42,21 @@ def test_upcycle_gap_command_measures_the_loss_each_variant_adds(trace_dir, tmp_
     assert all(abs(v) > 1e-3 for v in paper.values())
 
 
+@pytest.mark.parametrize("what", ["step", "zero-shot"])
+def test_a_measurement_against_another_method_needs_against(trace_dir, capsys, what):
+    """No method's name is a default of the core: without --against, one line and exit 2.
+    Mutation caught: a default for --against (the run would start and time something)."""
+    assert run_cli("perf", what, "--model", "tiny-llama", "--data-dir", trace_dir) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "give --against METHOD" in err
+
+
 def test_step_times_the_method_against_another_and_the_passes_it_needs(trace_dir, tmp_path):
     """bilevel-cka's stage-1 steps against upcycle's, on the same batches as its passes:
     an outer step where the schedule puts one (min_mask_updates=1 on 2 steps: N_eff 2)."""
     out = tmp_path / "step.json"
-    assert run_cli("perf", "step", "--model", "tiny-llama", "--method", "bilevel-cka", "--method-arg",
-                   "min_mask_updates=1", "--task", "Py150,NumGLUE-cm", "--n", "12", "--repeats", "1",
+    assert run_cli("perf", "step", "--model", "tiny-llama", "--method", "bilevel-cka", "--against", "upcycle",
+                   "--method-arg", "min_mask_updates=1", "--task", "Py150,NumGLUE-cm", "--n", "12", "--repeats", "1",
                    "--data-dir", str(trace_dir), "--output", str(out)) == 0
     rec = json.loads(out.read_text())
     assert rec["method"] == "bilevel-cka" and rec["against"] == "upcycle" and rec["outer_step"] == [False, True]
