@@ -27,6 +27,24 @@ def pytest_configure(config):
         os.environ["CL_BENCH_DATA"] = str(Path(config.getoption("--data-dir")).resolve())
 
 
+@pytest.fixture(autouse=True)
+def _registry_restored():
+    """Every test ends with the method registry as it found it: a method a test registers
+    (or a plugin a test's discovery found) does not leak into the next test. Built-in
+    methods a test imported stay: they register on import, which Python does once."""
+    from cl_bench import registry
+
+    methods, broken, discovered = dict(registry._METHODS), dict(registry._BROKEN), registry._DISCOVERED
+    yield
+    builtin = {k: c for k, c in registry._METHODS.items()
+               if k not in methods and c.__module__.startswith("cl_bench.methods.")}
+    registry._METHODS.clear()
+    registry._METHODS.update({**methods, **builtin})
+    registry._BROKEN.clear()
+    registry._BROKEN.update(broken)
+    registry._DISCOVERED = discovered
+
+
 @pytest.fixture
 def trace_dir(tmp_path: Path) -> Path:
     return make_trace(tmp_path / "trace")

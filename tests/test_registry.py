@@ -31,6 +31,13 @@ def test_duplicate_name_is_refused():
         registry.register_method("zz-test-dup")(B)
 
 
+def test_a_method_one_test_registers_is_gone_in_the_next():
+    """Runs after test_duplicate_name_is_refused (file order), which registered 'zz-test-dup':
+    the autouse fixture in tests/conftest.py restored the registry between them.
+    Mutation caught: that fixture removed (the name leaks into every later test)."""
+    assert "zz-test-dup" not in registry._METHODS and "zz-test-dup" not in registry.available()
+
+
 def test_only_method_subclasses_register():
     with pytest.raises(TypeError):
         registry.register_method("zz-test-type")(object)
