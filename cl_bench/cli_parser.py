@@ -88,15 +88,12 @@ def run_overrides(args) -> dict:
     return raw
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cl-bench", description=DESCRIPTION)
-    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    # `deepspeed script.py ARGS` passes --local_rank=N before ARGS; the rank comes from the environment
-    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_run(sub)
+def _add_show(sub) -> None:
     p = sub.add_parser("show", help="print a run's matrix and summary from its record")
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+
+
+def _add_compare(sub) -> None:
     p = sub.add_parser("compare", help="paired differences between runs over the same test items",
                        description="Each run against the first: the difference in every summary with its "
                                    "95%% paired-bootstrap interval and p-value. Runs whose tasks, test items "
@@ -105,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples (default 1000)")
     p.add_argument("--output", type=Path, help="also write the result as JSON here")
+
+
+def _add_claims(sub) -> None:
     p = sub.add_parser("claims", help="a paper's claims tested on run records: holds, does not hold, or not "
                                       "distinguishable at 95%%",
                        description="Reads a claims file (YAML; format in cl_bench/report/claims.py, e.g. "
@@ -116,8 +116,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write the table between the section's markers of README")
     p.add_argument("--section", default="claims", help="README markers (default claims)")
     p.add_argument("--output", type=Path, help="also write the verdicts as JSON here")
+
+
+def _add_list(sub) -> None:
     p = sub.add_parser("list", help="list methods with one-line descriptions")
     p.add_argument("--verbose", "-v", action="store_true", help="also show each method's arguments")
+
+
+def _add_run_filters(p) -> None:
+    """--exclude / --include of the commands that read a folder of run folders (--runs)."""
+    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="skip run folders matching GLOB, relative to --runs (repeatable), e.g. 'sweeps/*'")
+    p.add_argument("--include", action="append", default=[], metavar="GLOB",
+                   help="only run folders matching GLOB (repeatable), e.g. '*-cpu-paper6'")
+
+
+def _add_leaderboard(sub) -> None:
     p = sub.add_parser("leaderboard", help="tables from run records")
     p.add_argument("--runs", type=Path, default=Path("results"), help="folder of run folders")
     p.add_argument("--format", choices=["md", "csv", "latex"], default="md")
@@ -132,23 +146,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write the Markdown table between the section's markers of README")
     p.add_argument("--section", default="leaderboard",
                    help="README markers <!-- SECTION:begin --> / <!-- SECTION:end --> (default leaderboard)")
-    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
-                   help="skip run folders matching GLOB, relative to --runs (repeatable), e.g. 'sweeps/*'")
-    p.add_argument("--include", action="append", default=[], metavar="GLOB",
-                   help="only run folders matching GLOB (repeatable), e.g. 'bilevel-cka-*'")
+    _add_run_filters(p)
+
+
+def _add_site(sub) -> None:
     p = sub.add_parser("site", help="the leaderboard and every run as a static web site (opens from disk)",
                        description="Writes OUT/index.html (the leaderboard, one table per folder of runs), a page "
                                    "per run, compare pages (each run against the baseline runs of its profile and "
                                    "precision) and a prediction browser per run and task.")
     p.add_argument("--runs", type=Path, default=Path("results"), help="folder of run folders")
     p.add_argument("--out", type=Path, default=Path("site"), help="where the site goes (default site/)")
-    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
-                   help="skip run folders matching GLOB, relative to --runs (repeatable)")
-    p.add_argument("--include", action="append", default=[], metavar="GLOB",
-                   help="only run folders matching GLOB (repeatable)")
+    _add_run_filters(p)
     p.add_argument("--no-browser", action="store_true",
                    help="leave out the prediction browser (its pages copy every prompt and prediction); "
                         "run pages still link predictions.jsonl")
+
+
+def _add_analyze(sub) -> None:
     p = sub.add_parser("analyze", help="figures from a run record (heatmap, decisions, CKA, sharpness), "
                                        "written beside it")
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
@@ -159,11 +173,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate-stage", type=int, metavar="B",
                    help="--against: a stage both runs compute identically; ratios also divided by its "
                         "ratio, cancelling a difference in machine load")
+
+
+def _add_score(sub) -> None:
     p = sub.add_parser("score", help="score predictions made elsewhere")
     p.add_argument("--task", required=True, help="TRACE task name, e.g. 20Minuten")
     p.add_argument("--predictions", type=Path, required=True,
                    help='JSONL, one {"prompt", "prediction", "answer"} per line')
     p.add_argument("--stage", type=int, help="with cl-bench's predictions.jsonl: which stage")
+
+
+def _add_params(sub) -> None:
     p = sub.add_parser("params", help="parameter counts per stage of a method's schedule, no training")
     p.add_argument("--model", required=True, help="llama-3.2-1b | llama-3.2-3b | tiny-llama")
     p.add_argument("--method", required=True)
@@ -178,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="as --decisions, from the mean experts per MoE layer after the last task "
                             "(e.g. a paper's 17.8), expansions spread evenly over tasks and layers")
     p.add_argument("--json", action="store_true")
+
+
+def _add_campaign(sub) -> None:
     p = sub.add_parser("campaign", help="the runs of a plan file, each pinned to its commit, here or on Slurm",
                        description="Skips complete runs, resumes interrupted ones, starts the rest; prints each "
                                    "run's state (done, running, left) and estimated hours, then the total left. "
@@ -206,9 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="committed run records the estimates learn from, relative to the root (default results)")
     p.add_argument("--root", type=Path, help="the repository the plan's paths start from (default: the git "
                                              "checkout holding the working directory)")
-    from cl_bench.tools.tuning.cli import add_parser as add_tune
 
-    add_tune(sub)
+
+def _add_perf(sub) -> None:
     p = sub.add_parser("perf", help="measure generation speed-up, harness overhead, MoE dispatch, "
                                     "the loss upcycling adds before training, deepspeed's per-step cost, fp32 against bf16, "
                                     "or a method's step against another's and the passes it needs")
@@ -228,4 +251,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"],
                    help="eval-profile, eval-speed: the eval precision (default: the cpu profile's)")
     p.add_argument("--output", type=Path, help="also write the result as JSON here")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from cl_bench.tools.tuning.cli import add_parser as add_tune
+
+    parser = argparse.ArgumentParser(prog="cl-bench", description=DESCRIPTION)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    # `deepspeed script.py ARGS` passes --local_rank=N before ARGS; the rank comes from the environment
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_run(sub)
+    _add_show(sub)
+    _add_compare(sub)
+    _add_claims(sub)
+    _add_list(sub)
+    _add_leaderboard(sub)
+    _add_site(sub)
+    _add_analyze(sub)
+    _add_score(sub)
+    _add_params(sub)
+    _add_campaign(sub)
+    add_tune(sub)
+    _add_perf(sub)
     return parser
