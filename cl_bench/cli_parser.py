@@ -231,6 +231,31 @@ def _add_campaign(sub) -> None:
                                              "checkout holding the working directory)")
 
 
+TUNE_ACTIONS = ("plan", "choose", "finals", "sensitivity", "leaderboard", "verdict")
+
+
+def _add_tune(sub) -> None:
+    p = sub.add_parser("tune", help="the tuning protocol: plan the tuning runs (eval split), apply the rule, "
+                                    "plan the finals, the sensitivity view and the tuned leaderboard",
+                       description="Every ranked method tuned by a rule written before the runs, on the eval "
+                                   "split (docs/tuning.md). GRID is the grid file, configs/tuning/<profile>.yaml.")
+    p.add_argument("action", choices=TUNE_ACTIONS)
+    p.add_argument("grid", type=Path, metavar="GRID")
+    p.add_argument("--records", type=Path, default=Path("results"),
+                   help="the run records (relative to the working directory, the repository root; default results)")
+    p.add_argument("--out", type=Path,
+                   help="plan, finals: the plan file (default: print it); choose: the tuned file (default "
+                        "configs/tuned/<profile>.yaml); sensitivity: a folder for sensitivity.md, .png, .json")
+    p.add_argument("--view", choices=["tuned", "shared"], default="tuned",
+                   help="leaderboard: the tuned rows (default) or each method at the arguments it has without any")
+    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="leaderboard, verdict: skip run folders matching GLOB, relative to --records (repeatable)")
+    p.add_argument("--top", type=int, default=5, help="verdict: how many top rows' order to compare (default 5)")
+    p.add_argument("--update-readme", type=Path, metavar="FILE",
+                   help="leaderboard, sensitivity: also write the table between the section's markers of FILE")
+    p.add_argument("--section", help="--update-readme's markers (default: tuned-leaderboard, sensitivity)")
+
+
 def _add_perf(sub) -> None:
     p = sub.add_parser("perf", help="measure generation speed-up, harness overhead, MoE dispatch, "
                                     "the loss upcycling adds before training, deepspeed's per-step cost, fp32 against bf16, "
@@ -254,8 +279,6 @@ def _add_perf(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cl_bench.tools.tuning.cli import add_parser as add_tune
-
     parser = argparse.ArgumentParser(prog="cl-bench", description=DESCRIPTION)
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     # `deepspeed script.py ARGS` passes --local_rank=N before ARGS; the rank comes from the environment
@@ -272,6 +295,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_score(sub)
     _add_params(sub)
     _add_campaign(sub)
-    add_tune(sub)
+    _add_tune(sub)
     _add_perf(sub)
     return parser

@@ -1,329 +1,35 @@
-"""Run configuration: dataclasses, and the merge order profile defaults
-(cl_bench/profiles.py) <- YAML file (--config) <- CLI flags.
+"""Run configuration: the merge order profile defaults (cl_bench/profiles.py) <-
+YAML file (--config) <- CLI flags, validated into a RunConfig.
 
 The resolved config is validated once here and recorded whole in the run record;
-later code reads the dataclasses, never raw dicts.
+later code reads the dataclasses, never raw dicts. The fields themselves are in
+cl_bench/config_fields.py, the parsing of given values in cl_bench/config_values.py
+and the tuned file (`--tuned`) in cl_bench/config_tuned.py; their names are
+re-exported here, so `from cl_bench.config import RunConfig, resolve` serves callers.
+Modules below the registry (method.py, data/) import config_fields instead: this
+module imports the registry, for the default method (registry.baseline()).
 """
 from __future__ import annotations
 
-import dataclasses
-import math
-import types
-import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from cl_bench import config_tuned, registry
+from cl_bench.config_fields import (DataConfig, DeepSpeedConfig, EvalConfig, GeneralConfig, ReplayConfig,
+                                    RunConfig, TrainConfig, check_per_task, field_hint, field_types)
+from cl_bench.config_values import coerce, parse_value
 from cl_bench.errors import UserError, did_you_mean
-from cl_bench.run.metric_log import KINDS as LOG_KINDS
-from cl_bench.run.precision import CHOICES as PRECISIONS
-from cl_bench.eval.vllm_generation import GENERATORS
 from cl_bench.profiles import PROFILES
-from cl_bench.run.schedule import SCHEDULES
 
-
-@dataclass
-class DataConfig:
-    data_dir: str | None = None  # None: --data-dir, $CL_BENCH_DATA, then conventional places
-    order: str | list[str] = "paper6"  # named order or a list of task names
-    n_train: int | None = None  # training examples per task (None: all)
-    n_test: int | None = None  # test examples per task (None: all)
-    n_train_per_task: dict[str, int] = field(default_factory=dict)  # overrides of n_train by task name
-    n_test_per_task: dict[str, int] = field(default_factory=dict)  # overrides of n_test by task name
-    test_split: str = "test"  # the split scored: test, or eval for model selection (sweeps); never
-    #                           select on MeetingBank's eval split, which is its train copy in the 500 release
-
-    def n_train_for(self, task: str) -> int | None:
-        return self.n_train_per_task.get(task, self.n_train)
-
-
-@dataclass
-class TrainConfig:
-    batch_size: int = 8  # examples per optimiser step
-    micro_batch_size: int = 4  # examples per forward; accumulation = batch_size / micro_batch_size
-    epochs: int = 1  # default epochs per task
-    epochs_per_task: dict[str, int] = field(default_factory=dict)  # overrides by task name
-    grad_clip: float = 1.0  # max global grad norm; 0 turns clipping off
-    max_prompt_len: int = 512  # prompt tokens kept (special tokens included)
-    max_answer_len: int = 256  # answer tokens kept, EOS included
-    truncation: str = "head_tail"  # head_tail: keep instruction + cue; left: TRACE's cut
-    truncation_head: int = 64  # head_tail: prompt tokens kept from the start
-    precision: str = "fp32"  # fp32 | bf16 (autocast, fp32 master weights and optimiser) | auto
-    #                          (bf16 where the device has native bf16 matrix support); cl_bench/run/precision.py
-    lr_by_family: dict[str, float] = field(default_factory=dict)  # learning rate of each method family
-    #   (Method.lr_family: full, adapter, expert) where the method's lr is not given as an argument
-    lr_schedule: str | None = None  # constant | cosine, over each training phase (cl_bench/run/schedule.py);
-    #                                 None: the method's (Method.lr_schedule); the run's config records it
-    warmup_ratio: float | None = None  # share of a phase's steps with linear warm-up; None: the method's
-    checkpoint_every_s: float | None = None  # also checkpoint inside a stage, at the first step boundary this
-    #   many seconds of training after the last checkpoint (0: every step; None: at stage ends only), so a
-    #   killed run loses at most this much training (plus one step); torch backend (cl_bench/run/checkpoint.py)
-
-    def epochs_for(self, task: str) -> int:
-        return self.epochs_per_task.get(task, self.epochs)
-
-
-@dataclass
-class EvalConfig:
-    batch_size: int = 16  # prompts per generation batch
-    max_new_tokens_cap: int | None = None  # caps every task's max_new_tokens (None: task's own)
-    eval_all: bool = False  # evaluate every task at every stage plus a zero-shot row (FWT)
-    zero_shot: bool = False  # score every task before any training (the zero-shot row R0)
-    next_task: bool = False  # also score, after each stage, the task the next stage trains (R[j-1][j],
-    #                          for FWT with the zero-shot row)
-    precision: str = "fp32"  # fp32 | bf16 | auto, as train.precision, for decoding
-    generator: str = "hf"  # hf: cl_bench/eval/generation.py; vllm: a vLLM engine on CUDA (cl_bench/eval/vllm_generation.py)
-    cka_probe: int = 0  # test examples per task whose per-layer CKA since the task was learned is
-    #                     recorded after every stage (cl_bench/eval/probes/representation.py; `cl-bench analyze`); 0: off
-    cka_probe_tokens: int = 512  # at most this many of their tokens
-    routing_probe: int = 0  # test examples per task whose routed-expert distribution per MoE layer and its
-    #                         JS divergence since the task was learned are recorded after every stage
-    #                         (cl_bench/eval/probes/routing.py; `cl-bench analyze`); 0: off; dense models: nothing
-    sharpness: int = 0  # test examples of the last task for expert sharpness after the last stage; 0: off
-    sharpness_iters: int = 10  # Lanczos steps (Hessian-vector products) per expert
-    sharpness_layers: list[int] | None = None  # decoder layer indices to probe (None: every MoE layer);
-    #                                            cost ~ layers x experts x iters backward passes
-
-
-@dataclass
-class ReplayConfig:
-    """The run's one replay budget (PROTOCOL.md, "Replay budget")."""
-
-    fraction: float = 0.1  # of each finished task's training subset, at least 1 example
-    per_task: int | None = None  # an absolute count instead of the fraction
-    policy: str = "interleave"  # interleave: one replay micro-batch per step; epoch: TRACE's extra epoch
-    lima: int = 0  # Lima examples in the buffer from the start (opt-in; TRACE uses all 1030)
-
-
-@dataclass
-class GeneralConfig:
-    """General ability and instruction drift, measured in the run (cl_bench/eval/general/)."""
-
-    lima: int = 0  # held-out Lima items whose mean answer NLL per token is recorded at the zero-shot point
-    #                and after every stage, with ΔLima (cl_bench/eval/general/lima.py); 0: off
-    tasks: list[str] = field(default_factory=list)  # lm-eval task names or local task YAML paths, scored at the
-    #   zero-shot point and after the last stage with ΔG (cl_bench/eval/general/lm_eval_tasks.py; needs cl-bench[general])
-    limit: int | None = None  # items per task (lm-eval's --limit: the first N); None: all
-    every_stage: bool = False  # score the general tasks after every stage, not only the last
-
-
-@dataclass
-class DeepSpeedConfig:
-    """The deepspeed backend (`backend: deepspeed`); ignored by `torch`. Batch sizes,
-    accumulation and clipping come from `train`, the optimiser from the method."""
-
-    zero: int = 2  # ZeRO stage: 2 partitions optimiser state and gradients; 3 also the weights
-    bf16: bool | None = None  # None: bf16 on CUDA devices that support it, else fp32
-    config: str | None = None  # a DeepSpeed JSON/YAML for everything else (buckets, overlap, offload);
-    #                            a relative path in a --config file is relative to that file
-
-
-@dataclass
-class RunConfig:
-    method: str = ""  # "": the baseline method (registry.baseline(): full fine-tuning)
-    method_args: dict[str, Any] = field(default_factory=dict)
-    model: str = "smollm2-135m"
-    profile: str = "cpu"
-    seed: int = 1234
-    output_dir: str = "runs"
-    run_id: str | None = None  # None: <method>-<timestamp>-<random>
-    backend: str = "torch"  # torch: one process; deepspeed: ZeRO-2/3 over any number of ranks
-    log: str = "none"  # per-step metrics also to: none | tensorboard | wandb (cl_bench/run/metric_log.py)
-    tuned: str | None = None  # `--tuned`: the tuned file the method's arguments came from, @ its commit
-    #                           (cl_bench/tools/tuning/tuned.py); None: not tuned
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    replay: ReplayConfig = field(default_factory=ReplayConfig)
-    general: GeneralConfig = field(default_factory=GeneralConfig)
-    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
-
-    def __post_init__(self) -> None:
-        for name in ("cka_probe", "cka_probe_tokens", "routing_probe", "sharpness", "sharpness_iters"):
-            if getattr(self.eval, name) < 0:
-                raise UserError(f"eval.{name}={getattr(self.eval, name)} must be >= 0 (0 turns it off)")
-        if any(i < 0 for i in self.eval.sharpness_layers or []):
-            raise UserError(f"eval.sharpness_layers={self.eval.sharpness_layers}: decoder layer indices are "
-                            f"0-based and >= 0")
-        t = self.train
-        if t.batch_size % t.micro_batch_size:
-            raise UserError(
-                f"train.batch_size={t.batch_size} is not a multiple of train.micro_batch_size="
-                f"{t.micro_batch_size}; set them so micro batches divide the step")
-        if t.truncation not in ("head_tail", "left"):
-            raise UserError(f"train.truncation={t.truncation!r} must be 'head_tail' or 'left'")
-        if t.truncation == "head_tail" and not 0 <= t.truncation_head < t.max_prompt_len:
-            raise UserError(
-                f"train.truncation_head={t.truncation_head} must be in [0, max_prompt_len="
-                f"{t.max_prompt_len})")
-        for name in ("batch_size", "micro_batch_size", "epochs", "max_prompt_len", "max_answer_len"):
-            if getattr(t, name) < 1:
-                raise UserError(f"train.{name}={getattr(t, name)} must be at least 1")
-        if not (math.isfinite(t.grad_clip) and t.grad_clip >= 0):  # NaN or < 0 would turn clipping off
-            raise UserError(f"train.grad_clip={t.grad_clip} must be a finite number >= 0 (0 turns clipping off)")
-        cap = self.eval.max_new_tokens_cap
-        if cap is not None and cap < 1:
-            raise UserError(f"eval.max_new_tokens_cap={cap} must be at least 1, or null for each task's own")
-        rid = self.run_id
-        if rid is not None and (rid in ("", ".", "..") or "/" in rid or "\\" in rid
-                                or any(not c.isprintable() for c in rid)):
-            raise UserError(f"run_id={rid!r} must be one plain folder name (no '/', no newline or other "
-                            f"control character, not '.' or '..'); use --output-dir for where run folders go")
-        if self.eval.generator not in GENERATORS:
-            raise UserError(f"eval.generator={self.eval.generator!r} must be one of {', '.join(GENERATORS)}")
-        if self.eval.generator == "vllm" and self.backend == "deepspeed":
-            raise UserError("eval.generator=vllm runs with --backend torch; the deepspeed backend decodes with hf")
-        for where, value in (("train.precision", t.precision), ("eval.precision", self.eval.precision)):
-            if value not in PRECISIONS:
-                raise UserError(f"{where}={value!r} must be one of {', '.join(PRECISIONS)}")
-        if t.lr_schedule is not None and t.lr_schedule not in SCHEDULES:
-            raise UserError(f"train.lr_schedule={t.lr_schedule!r}: {did_you_mean(t.lr_schedule, SCHEDULES)}"
-                            f"choose one of {', '.join(SCHEDULES)}")
-        if t.warmup_ratio is not None and not 0 <= t.warmup_ratio < 1:
-            raise UserError(f"train.warmup_ratio={t.warmup_ratio} must be in [0, 1), e.g. 0.03")
-        if t.checkpoint_every_s is not None and not (math.isfinite(t.checkpoint_every_s)
-                                                     and t.checkpoint_every_s >= 0):
-            raise UserError(f"train.checkpoint_every_s={t.checkpoint_every_s} must be a number of seconds >= 0 "
-                            f"(0: every step), or null for checkpoints at stage ends only, e.g. 600")
-        for family, lr in t.lr_by_family.items():
-            if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-                raise UserError(f"train.lr_by_family.{family}={lr!r} must be a positive number")
-        if self.data.test_split not in ("test", "eval"):
-            raise UserError(f"data.test_split={self.data.test_split!r} must be 'test' or 'eval'")
-        if self.eval.batch_size < 1:
-            raise UserError(f"eval.batch_size={self.eval.batch_size} must be at least 1")
-        r = self.replay
-        if r.policy not in ("interleave", "epoch"):
-            raise UserError(f"replay.policy={r.policy!r} must be 'interleave' or 'epoch'")
-        if not 0 < r.fraction <= 1:
-            raise UserError(f"replay.fraction={r.fraction} must be in (0, 1]")
-        if r.per_task is not None and r.per_task < 1 or r.lima < 0:
-            raise UserError("replay.per_task must be at least 1 (or null) and replay.lima at least 0")
-        if self.general.lima < 0:
-            raise UserError(f"general.lima={self.general.lima} must be >= 0 (0 turns the Lima probe off)")
-        if self.general.limit is not None and self.general.limit < 1:
-            raise UserError(f"general.limit={self.general.limit} must be at least 1, or null for every item")
-        if self.general.tasks and self.backend == "deepspeed":
-            raise UserError("general.tasks runs lm-eval on one process and is refused with backend deepspeed; "
-                            "run it with --backend torch, or leave general.tasks empty")
-        if self.backend not in ("torch", "deepspeed"):
-            raise UserError(f"backend={self.backend!r} is not available; choose 'torch' or 'deepspeed'")
-        if self.log not in LOG_KINDS:
-            raise UserError(f"log={self.log!r}: {did_you_mean(self.log, LOG_KINDS)}choose one of "
-                            f"{', '.join(LOG_KINDS)}")
-        if self.deepspeed.zero not in (2, 3):
-            raise UserError(f"deepspeed.zero={self.deepspeed.zero} must be 2 or 3")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def check_per_task(config: RunConfig, tasks: list[str]) -> None:
-    """The per-task mappings name TRACE tasks (`tasks`: every task name; a profile's
-    mapping may name tasks a shorter order leaves out) and hold counts >= 1;
-    checked before any data or model loads."""
-    for where, mapping in (("train.epochs_per_task", config.train.epochs_per_task),
-                           ("data.n_train_per_task", config.data.n_train_per_task),
-                           ("data.n_test_per_task", config.data.n_test_per_task)):
-        for task, value in mapping.items():
-            if task not in tasks:
-                raise UserError(f"{where}: '{task}' is not a TRACE task; {did_you_mean(str(task), tasks)}"
-                                f"tasks: {', '.join(tasks)}")
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UserError(f"{where}.{task}={value!r} must be a whole number >= 1")
-
-
-def _field_types(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+__all__ = ["DataConfig", "DeepSpeedConfig", "EvalConfig", "GeneralConfig", "PROFILES", "ReplayConfig",
+           "RunConfig", "TrainConfig", "build", "check_per_task", "coerce", "field_hint", "load_yaml", "merge",
+           "parse_value", "resolve", "set_dotted"]
 
 
 def _unknown(where: str, key: str, valid: list[str]) -> UserError:
     return UserError(f"{where}: unknown field '{key}'; {did_you_mean(key, valid)}valid fields: {', '.join(valid)}")
-
-
-def parse_value(text: str, typ: Any, where: str) -> Any:
-    """Turn a CLI string into `typ` (int, float, bool, str, Optional[...], list[str], dict)."""
-    origin = typing.get_origin(typ)
-    args = typing.get_args(typ)
-    if origin in (typing.Union, types.UnionType):
-        if text.lower() in ("none", "null") and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return parse_value(text, arg, where)
-            except UserError as exc:
-                errors.append(str(exc))
-        raise UserError(errors[0] if errors else f"{where}: cannot parse {text!r}")
-    if typ is bool:
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise UserError(f"{where}={text!r} is not a boolean; use true or false")
-    if typ in (int, float):
-        try:
-            return typ(text)
-        except ValueError:
-            raise UserError(f"{where}={text!r} is not a valid {typ.__name__}") from None
-    if typ is str or typ is Any:
-        return text
-    if origin in (list, tuple):
-        value = _yaml_value(text, where) if text.startswith("[") else text.split(",")
-        if not isinstance(value, list):
-            raise UserError(f"{where}={text!r} must be a list like [a, b]")
-        return [parse_value(str(v), args[0], where) for v in value] if args else value
-    if origin is dict:
-        value = _yaml_value(text, where)
-        if not isinstance(value, dict):
-            raise UserError(f"{where}={text!r} must be a mapping like {{key: value}}")
-        return coerce(value, typ, where)  # each entry as the field's type says
-    raise UserError(f"{where}: cannot parse a value of type {typ}")
-
-
-def _yaml_value(text: str, where: str) -> Any:
-    """A flow-style YAML value of a flag ([1, 2], {a: 1}); safe_load: tags are refused."""
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        problem = getattr(exc, "problem", None) or type(exc).__name__
-        raise UserError(f"{where}={text!r} is not a valid YAML value ({problem}); "
-                        f"write a plain list like [1, 2] or mapping like {{key: 1}}") from None
-
-
-def coerce(value: Any, typ: Any, where: str) -> Any:
-    """Check a YAML value against a field type; strings are parsed as on the CLI."""
-    if isinstance(value, str) and typ is not str:
-        return parse_value(value, typ, where)
-    origin = typing.get_origin(typ)
-    args = typing.get_args(typ)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return coerce(value, arg, where)
-            except UserError:
-                continue
-        raise UserError(f"{where}={value!r} does not match the type {typ}")
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if typ in (int, float, bool, str) and not isinstance(value, typ) or (
-            typ is int and isinstance(value, bool)):
-        raise UserError(f"{where}={value!r} must be {'an' if typ is int else 'a'} {typ.__name__}")
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise UserError(f"{where}={value!r} must be a list")
-        return [coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)] if args else list(value)
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise UserError(f"{where}={value!r} must be a mapping")
-        if args:  # each entry as its field type says (`--set data.n_train_per_task.Py150=64` gives a string)
-            return {k: coerce(v, args[1], f"{where}.{k}") for k, v in value.items()}
-    return value
 
 
 def merge(base: dict, override: dict) -> dict:
@@ -344,7 +50,7 @@ _SECTIONS = {"data": DataConfig, "train": TrainConfig, "eval": EvalConfig, "repl
 
 def build(raw: dict[str, Any], where: str) -> RunConfig:
     """Validate a nested dict against RunConfig and construct it."""
-    top = _field_types(RunConfig)
+    top = field_types(RunConfig)
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in top:
@@ -352,7 +58,7 @@ def build(raw: dict[str, Any], where: str) -> RunConfig:
         if key in _SECTIONS:
             if not isinstance(value, dict):
                 raise UserError(f"{where}: '{key}' must be a mapping of fields")
-            types_ = _field_types(_SECTIONS[key])
+            types_ = field_types(_SECTIONS[key])
             section = {}
             for sub, subvalue in value.items():
                 if sub not in types_:
@@ -363,8 +69,6 @@ def build(raw: dict[str, Any], where: str) -> RunConfig:
             kwargs[key] = coerce(value, top[key], key)
     config = RunConfig(**kwargs)
     if not config.method:
-        from cl_bench import registry
-
         config.method = registry.baseline()
     return config
 
@@ -390,17 +94,6 @@ class _StrictLoader(yaml.SafeLoader):
             if isinstance(value_node, yaml.MappingNode):
                 value_node.cl_bench_name = self.construct_object(key_node, deep=True)
         return super().construct_mapping(node, deep)
-
-
-def field_hint(key: str) -> str:
-    """For a name given as a method argument that is a field of a config section (or
-    close to one): "'epochs' is a config field: --set train.epochs=VALUE; ", else ""."""
-    import difflib
-
-    fields = {f.name: f"{section.name}.{f.name}" for section in dataclasses.fields(RunConfig)
-              if dataclasses.is_dataclass(section.default_factory) for f in dataclasses.fields(section.default_factory)}
-    close = difflib.get_close_matches(key, fields, n=1, cutoff=0.8) if key not in fields else [key]
-    return f"'{close[0]}' is a config field: --set {fields[close[0]]}=VALUE; " if close else ""
 
 
 def load_yaml(path: Path) -> dict[str, Any]:
@@ -450,7 +143,5 @@ def resolve(profile: str, config_file: Path | None, overrides: dict[str, Any]) -
     elif raw.get("tuned") is not None:
         raise UserError(f"tuned={raw['tuned']!r}: give true (--tuned); the tuned file and its commit are filled in")
     if raw.get("tuned") is True:  # the method's arguments from the tuned file
-        from cl_bench.tools.tuning import tuned
-
-        raw = tuned.apply(raw, profile)
+        raw = config_tuned.apply(raw, profile)
     return build(raw, str(config_file) if config_file else "command line")

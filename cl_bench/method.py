@@ -23,7 +23,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from cl_bench.config import ReplayConfig, RunConfig, coerce, field_hint
+from cl_bench.config_fields import ReplayConfig, RunConfig, field_hint
+from cl_bench.config_values import coerce
 from cl_bench.data.encode import Encoder
 from cl_bench.errors import UserError, did_you_mean
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from cl_bench.errors import UserError, did_you_mean
+from cl_bench.method import Method
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,6 @@ class Broken:
 
 def register_method(name: str, *, aliases: tuple[str, ...] = ()):
     """Class decorator: register a Method subclass under `name` (and aliases)."""
-    from cl_bench.method import Method
-
     def wrap(cls: type) -> type:
         if not (isinstance(cls, type) and issubclass(cls, Method)):
             raise TypeError(f"@register_method('{name}') must decorate a Method subclass, got {cls!r}")

@@ -22,7 +22,7 @@ from typing import Iterator
 
 import torch
 
-from cl_bench.config import TrainConfig
+from cl_bench.config_fields import TrainConfig
 
 IGNORE = -100
 

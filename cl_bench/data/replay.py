@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from cl_bench.config import ReplayConfig
+from cl_bench.config_fields import ReplayConfig
 
 
 @dataclass

@@ -7,7 +7,7 @@ from typing import Callable
 
 from torch import nn
 
-from cl_bench.config import EvalConfig
+from cl_bench.config_fields import EvalConfig
 from cl_bench.data.encode import Encoder
 from cl_bench.eval.generation import greedy_generate
 from cl_bench.metrics import scorers

@@ -8,8 +8,8 @@ the shared-rate one. docs/tuning.md describes it for users.
 - plan.py: the plan of tuning runs for `cl-bench campaign` (a committed record that
   fits a point is named instead of re-run), and the finals plan from the tuned file.
 - rule.py: the rule, applied to finished tuning runs; writes configs/tuned/<profile>.yaml.
-- tuned.py: that file read back: `cl-bench run --tuned`, and the runs that make the
-  tuned (or the shared-rate) leaderboard.
+- tuned.py: the runs that make the tuned (or the shared-rate) leaderboard. The file
+  is read back by cl_bench/config_tuned.py (`cl-bench run --tuned`, and here).
 - sensitivity.py: Last Acc and BWT at each grid value, and the rank-order verdict
   between two leaderboards.
 """

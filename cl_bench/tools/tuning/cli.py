@@ -1,4 +1,5 @@
-"""`cl-bench tune ACTION GRID`: the tuning protocol's commands (cl_bench/tools/tuning/).
+"""`cl-bench tune ACTION GRID`: the tuning protocol's commands (cl_bench/tools/tuning/;
+their flags are in cl_bench/cli_parser.py).
 
   plan         the plan of tuning runs, for `cl-bench campaign` (eval split only)
   choose       the rule over the finished tuning runs -> configs/tuned/<profile>.yaml
@@ -13,31 +14,6 @@ import json
 import sys
 from pathlib import Path
 
-ACTIONS = ("plan", "choose", "finals", "sensitivity", "leaderboard", "verdict")
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("tune", help="the tuning protocol: plan the tuning runs (eval split), apply the rule, "
-                                    "plan the finals, the sensitivity view and the tuned leaderboard",
-                       description="Every ranked method tuned by a rule written before the runs, on the eval "
-                                   "split (docs/tuning.md). GRID is the grid file, configs/tuning/<profile>.yaml.")
-    p.add_argument("action", choices=ACTIONS)
-    p.add_argument("grid", type=Path, metavar="GRID")
-    p.add_argument("--records", type=Path, default=Path("results"),
-                   help="the run records (relative to the working directory, the repository root; default results)")
-    p.add_argument("--out", type=Path,
-                   help="plan, finals: the plan file (default: print it); choose: the tuned file (default "
-                        "configs/tuned/<profile>.yaml); sensitivity: a folder for sensitivity.md, .png, .json")
-    p.add_argument("--view", choices=["tuned", "shared"], default="tuned",
-                   help="leaderboard: the tuned rows (default) or each method at the arguments it has without any")
-    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
-                   help="leaderboard, verdict: skip run folders matching GLOB, relative to --records (repeatable)")
-    p.add_argument("--top", type=int, default=5, help="verdict: how many top rows' order to compare (default 5)")
-    p.add_argument("--update-readme", type=Path, metavar="FILE",
-                   help="leaderboard, sensitivity: also write the table between the section's markers of FILE")
-    p.add_argument("--section", help="--update-readme's markers (default: tuned-leaderboard, sensitivity)")
-
-
 def main(args) -> int:
     from cl_bench.report import leaderboard
     from cl_bench.errors import UserError
@@ -46,6 +22,7 @@ def main(args) -> int:
     from cl_bench.tools.tuning import plan
     from cl_bench.tools.tuning import rule
     from cl_bench.tools.tuning import sensitivity
+    from cl_bench import config_tuned
     from cl_bench.tools.tuning import tuned
 
     grid = grids.load(args.grid)
@@ -54,14 +31,14 @@ def main(args) -> int:
         if args.action == "plan":
             text = plan.tuning_plan(grid, records, rule.decided_rates(grid, records))
         else:
-            tuned_path = tuned.path_for(grid.profile)
+            tuned_path = config_tuned.path_for(grid.profile)
             f = grid.finals
-            text = plan.finals_plan(grid, tuned_path.relative_to(tuned.ROOT), tuned.load(tuned_path), records,
-                                    f.output, f.seeds, f.seeded)
+            text = plan.finals_plan(grid, tuned_path.relative_to(config_tuned.ROOT), config_tuned.load(tuned_path),
+                                    records, f.output, f.seeds, f.seeded)
         _emit(args.out, text, atomic_write_text)
         return 0
     if args.action == "choose":
-        out = args.out or tuned.path_for(grid.profile)
+        out = args.out or config_tuned.path_for(grid.profile)
         rule.write(out, rule.choose(grid, records), args.command_line)
         print(out)
         return 0
@@ -79,16 +56,16 @@ def main(args) -> int:
         return 0
     runs = leaderboard.load_runs(args.records, args.exclude)
     shared = tuned.expected_args({m: {} for m in grid.methods}, grid.profile)
+    chosen = config_tuned.path_for(grid.profile)
     if args.action == "leaderboard":
-        wanted = shared if args.view == "shared" else tuned.expected_args(tuned.load(tuned.path_for(grid.profile)),
-                                                                          grid.profile)
+        wanted = shared if args.view == "shared" else tuned.expected_args(config_tuned.load(chosen), grid.profile)
         table = leaderboard.format_table(leaderboard.build_table(tuned.select(runs, wanted, grid.profile)), "md")
         print(table, end="")
         _readme(args, table, "tuned-leaderboard")
         return 0
     if args.top < 1:
         raise UserError(f"--top {args.top} must be at least 1")
-    at_tuned = tuned.expected_args(tuned.load(tuned.path_for(grid.profile)), grid.profile)
+    at_tuned = tuned.expected_args(config_tuned.load(chosen), grid.profile)
     print(sensitivity.format_verdict(sensitivity.verdict(tuned.select(runs, shared, grid.profile),
                                                          tuned.select(runs, at_tuned, grid.profile), args.top)), end="")
     return 0

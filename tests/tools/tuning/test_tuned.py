@@ -1,4 +1,4 @@
-"""The tuned file read back (cl_bench/tools/tuning/tuned.py): `cl-bench run --tuned` takes the
+"""The tuned file read back (cl_bench/config_tuned.py, cl_bench/tools/tuning/tuned.py): `cl-bench run --tuned` takes the
 method's arguments from it and records the file's commit; the tuned leaderboard holds
 each method at its tuned arguments only, so that "≠ base" is against tuned SeqFT."""
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from cl_bench import config as cfg
+from cl_bench import config_tuned
 from cl_bench.errors import UserError
 from cl_bench.report.leaderboard import build_table, load_runs
 from cl_bench.tools.tuning import tuned
@@ -26,15 +27,21 @@ def git(root: Path, *argv: str) -> str:
 
 @pytest.fixture
 def repo(tmp_path, monkeypatch) -> Path:
-    """A checkout holding a committed configs/tuned/smoke.yaml, as tuned.ROOT."""
+    """A checkout holding a committed configs/tuned/smoke.yaml, as config_tuned.ROOT."""
     root = tmp_path / "repo"
     (root / "configs" / "tuned").mkdir(parents=True)
     (root / "configs" / "tuned" / "smoke.yaml").write_text(yaml.safe_dump(TUNED))
     git(root.parent, "init", "-q", str(root))
     git(root, "-c", "user.name=t", "-c", "user.email=t@t", "add", ".")
     git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "tuned")
-    monkeypatch.setattr(tuned, "ROOT", root)
+    monkeypatch.setattr(config_tuned, "ROOT", root)
     return root
+
+
+def test_the_tuned_file_is_read_from_the_checkout_whose_code_runs():
+    """Mutation caught: ROOT one folder off (cl_bench/, as when the reader sat one level deeper
+    in tools/tuning/ and kept parents[2]): every --tuned run would find no tuned file."""
+    assert (config_tuned.ROOT / "pyproject.toml").is_file() and (config_tuned.ROOT / "configs" / "tuning").is_dir()
 
 
 def test_tuned_takes_the_methods_arguments_from_the_file_and_names_its_commit(repo):
@@ -114,7 +121,7 @@ def test_the_finals_run_each_method_at_its_tuned_arguments_on_the_test_split_see
         "status": "complete", "method": "ewc", "seed": 2, "config": {**config.to_dict(), "tuned": None},
         "method_args": dataclasses.asdict(method_args), "git_commit": "abcdef123",
         "backend": {"precision": {"train": "fp32", "eval": "fp32"}}}))
-    text = plan.finals_plan(g, Path("configs/tuned/smoke.yaml"), tuned.load(tuned.path_for("smoke")),
+    text = plan.finals_plan(g, Path("configs/tuned/smoke.yaml"), config_tuned.load(config_tuned.path_for("smoke")),
                             plan.Records(Path("results"), tmp_path), g.finals.output, g.finals.seeds,
                             g.finals.seeded)
     (tmp_path / "finals.txt").write_text(text)
