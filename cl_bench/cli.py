@@ -222,58 +222,10 @@ def cmd_analyze(args) -> int:
 
 
 def cmd_score(args) -> int:
-    from cl_bench.benchmarks.trace import get_task
-    from cl_bench.metrics import scorers
+    from cl_bench.metrics.predictions import score_file
 
-    spec = get_task(args.task)
-    rows = _read_predictions(args.predictions, args.task, args.stage)
-    preds = [r["prediction"].strip() for r in rows]
-    answers = [r["answer"] for r in rows]
-    prompts = [r["prompt"] for r in rows]
-    score = scorers.score(spec.metric, preds, answers, prompts)
-    print(json.dumps({"task": spec.name, "metric": spec.metric, "score": score, "n": len(rows)}))
+    print(json.dumps(score_file(args.predictions, args.task, args.stage)))
     return 0
-
-
-def _read_predictions(path: Path, task: str, stage: int | None) -> list[dict]:
-    """Lines of {"prompt", "prediction", "answer"}; lines that carry "task"/"stage"
-    fields (cl-bench's own predictions.jsonl) are filtered to --task/--stage."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read predictions ({exc.strerror}); check the path") from None
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path}: not UTF-8 text (byte {exc.start}); write the predictions as UTF-8 JSONL") from None
-    rows = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{path}:{n}: not valid JSON ({exc.msg}); each line must be one "
-                            f"JSON object") from None
-        if not isinstance(row, dict):
-            raise UserError(f"{path}:{n}: a line must be a JSON object with prompt, prediction, answer")
-        for key in ("prompt", "prediction", "answer"):
-            if not isinstance(row.get(key), str):
-                found = type(row[key]).__name__ if key in row else "nothing"
-                raise UserError(f"{path}:{n}: field '{key}' must be a string, found {found}; "
-                                f"fix that line")
-        if "task" in row and row["task"] != task:
-            continue
-        if stage is not None and row.get("stage") != stage:
-            continue
-        rows.append(row)
-    if not rows:
-        raise UserError(f"{path}: no predictions for task {task}"
-                        + (f" at stage {stage}" if stage is not None else "")
-                        + "; check --task and --stage")
-    stages = sorted({r["stage"] for r in rows if isinstance(r.get("stage"), int)})
-    if stage is None and len(stages) > 1:  # pooling stages would score no cell of the matrix
-        raise UserError(f"{path}: task {task} has predictions of stages {', '.join(map(str, stages))}"
-                        + (" (-1: zero-shot)" if -1 in stages else "") + "; pass --stage to score one")
-    return rows
 
 
 def cmd_params(args) -> int:

@@ -1,4 +1,4 @@
-"""`cl-bench score`: score predictions made elsewhere; run's own predictions re-score."""
+"""`cl-bench score` (cl_bench/metrics/predictions.py): score predictions made elsewhere; a run's own predictions re-score."""
 from __future__ import annotations
 
 import json

@@ -1,0 +1,60 @@
+"""`cl-bench score`: predictions made elsewhere (or a run's predictions.jsonl), read
+from JSONL and scored with the task's own metric (cl_bench/metrics/scorers.py)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cl_bench.benchmarks.trace import get_task
+from cl_bench.errors import UserError
+from cl_bench.metrics import scorers
+
+
+def score_file(path: Path, task: str, stage: int | None) -> dict:
+    """{"task", "metric", "score", "n"} of the predictions in `path` for `task` (at `stage`)."""
+    spec = get_task(task)
+    rows = read_predictions(path, task, stage)
+    preds = [r["prediction"].strip() for r in rows]
+    score = scorers.score(spec.metric, preds, [r["answer"] for r in rows], [r["prompt"] for r in rows])
+    return {"task": spec.name, "metric": spec.metric, "score": score, "n": len(rows)}
+
+
+def read_predictions(path: Path, task: str, stage: int | None) -> list[dict]:
+    """Lines of {"prompt", "prediction", "answer"}; lines that carry "task"/"stage"
+    fields (cl-bench's own predictions.jsonl) are filtered to --task/--stage."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read predictions ({exc.strerror}); check the path") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text (byte {exc.start}); write the predictions as UTF-8 JSONL") from None
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}:{n}: not valid JSON ({exc.msg}); each line must be one "
+                            f"JSON object") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{path}:{n}: a line must be a JSON object with prompt, prediction, answer")
+        for key in ("prompt", "prediction", "answer"):
+            if not isinstance(row.get(key), str):
+                found = type(row[key]).__name__ if key in row else "nothing"
+                raise UserError(f"{path}:{n}: field '{key}' must be a string, found {found}; "
+                                f"fix that line")
+        if "task" in row and row["task"] != task:
+            continue
+        if stage is not None and row.get("stage") != stage:
+            continue
+        rows.append(row)
+    if not rows:
+        raise UserError(f"{path}: no predictions for task {task}"
+                        + (f" at stage {stage}" if stage is not None else "")
+                        + "; check --task and --stage")
+    stages = sorted({r["stage"] for r in rows if isinstance(r.get("stage"), int)})
+    if stage is None and len(stages) > 1:  # pooling stages would score no cell of the matrix
+        raise UserError(f"{path}: task {task} has predictions of stages {', '.join(map(str, stages))}"
+                        + (" (-1: zero-shot)" if -1 in stages else "") + "; pass --stage to score one")
+    return rows
