@@ -100,23 +100,42 @@ def make_task(name: str, n: int = 8, offset: int = 0) -> SimpleNamespace:
     return SimpleNamespace(name=name, train=train)
 
 
-def make_method(name: str, seed: int = 0, **args):
-    """The registered method `name` with `args`, set up on a seeded tiny Llama."""
+def make_method(name: str, seed: int = 0, *, profile: str | None = None, tasks=(), n_stages: int | None = None,
+                context: MethodContext | None = None, **args):
+    """The registered method `name` with `args`, set up on a seeded tiny Llama (the
+    global generator seeded again before setup, for what setup draws). Its context:
+    `context` if given (e.g. MethodContext.for_shapes), else the tiny config (short
+    prompts) or `profile`'s, with an encoder as the harness gives it, `tasks` as
+    all_tasks and `n_stages`. The one way the tests build a method."""
     model, tokenizer, _ = tiny_llama(seed)
-    config = RunConfig(model="tiny-llama", seed=seed,
-                       train=TrainConfig(max_prompt_len=96, max_answer_len=16, truncation_head=16))
+    if context is None:
+        config = (resolve(profile, None, {"method": name}) if profile else
+                  RunConfig(model="tiny-llama", seed=seed,
+                            train=TrainConfig(max_prompt_len=96, max_answer_len=16, truncation_head=16)))
+        context = MethodContext(config, torch.device("cpu"), tokenizer, all_tasks=list(tasks),
+                                encoder=Encoder.from_config(tokenizer, config.train), n_stages=n_stages)
     cls = registry.get(name)
-    ctx = MethodContext(config, torch.device("cpu"), tokenizer,
-                        encoder=Encoder.from_config(tokenizer, config.train))
-    method = cls(cls.parse_args(args), ctx)
+    method = cls(cls.parse_args(args), context)
     torch.manual_seed(seed)
     method.setup(model)
     return method
 
 
+def random_batch(seed: int = 0, length: int = 12, prompt: int = 0) -> dict[str, torch.Tensor]:
+    """Two rows of random ids (seeded), the second right-padded over its last 3
+    positions, as the collator pads; the first `prompt` positions labelled IGNORE."""
+    ids = torch.randint(3, 259, (2, length), generator=torch.Generator().manual_seed(seed))  # (2, L)
+    mask = torch.ones_like(ids)
+    mask[1, length - 3:] = 0
+    labels = ids.masked_fill(mask == 0, IGNORE)
+    labels[:, :prompt] = IGNORE
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
 # ---- mechanism tests (O-LoRA, OGD, LwF): the backend's hooks, by hand -------------
 
 def encode(method, examples) -> dict[str, torch.Tensor]:
+    """`examples` (prompt, answer) as one training batch, through the method's encoder."""
     encoder = method.ctx.encoder
     return collate([encoder.train_example(e.prompt, e.answer) for e in examples], method.ctx.pad_id)
 
@@ -157,23 +176,16 @@ def run_steps(method, stage: Stage, batch, n_steps: int, optimizer=None, on_step
 LORA_SIZE = 2 * (8 * (64 + 64) + 8 * (64 + 32))  # 3584
 
 
-def batch_of(method, task) -> dict[str, torch.Tensor]:
-    rows = [method.ctx.encoder.train_example(e.prompt, e.answer) for e in task.train[:4]]
-    return collate(rows, method.ctx.pad_id)
+def batch_of(method, task, n: int = 4) -> dict[str, torch.Tensor]:
+    """The first `n` training examples of `task` as one batch."""
+    return encode(method, task.train[:n])
 
 
 def train_stage(method, stage: Stage, n_steps: int = 3, optimizer=None):
-    """The backend's hook order on one fixed batch; returns the optimiser."""
+    """The backend's hook order on one fixed batch, between before_task and
+    after_task; returns the optimiser."""
     method.before_task(stage)
-    optimizer = method.optimizer_for_stage(stage, optimizer)
-    batch = batch_of(method, stage.tasks[0])
-    for step in range(n_steps):
-        optimizer.zero_grad(set_to_none=True)
-        loss, _ = method.loss(batch, step)
-        loss.backward()
-        method.before_step(step)
-        optimizer.step()
-        method.after_step(step)
+    optimizer = run_steps(method, stage, batch_of(method, stage.tasks[0]), n_steps, optimizer)
     method.after_task(stage)
     return optimizer
 
@@ -218,21 +230,8 @@ TASK_B = task(("<s> def f(x):<EOL>", "return x"), ("<s> y = 2<EOL>", "print(y)")
 
 
 def make(name: str, n_tasks: int = 3, **args):
-    """A method on the tiny model with the smoke profile's config, set up."""
-    model, tokenizer, _ = tiny_llama(0)
-    config = resolve("smoke", None, {"method": name})
-    ctx = MethodContext(config=config, device=torch.device("cpu"), tokenizer=tokenizer,
-                        all_tasks=[TASK_A] * n_tasks, encoder=Encoder.from_config(tokenizer, config.train),
-                        n_stages=n_tasks)
-    cls = registry.get(name)
-    method = cls(cls.parse_args(args), ctx)
-    method.setup(model)
-    return method
-
-
-def task_batch(method, t) -> dict[str, torch.Tensor]:
-    """Every example of `t` in one batch."""
-    return collate([method.ctx.encoder.train_example(e.prompt, e.answer) for e in t.train], method.ctx.pad_id)
+    """A method on the tiny model with the smoke profile's config over `n_tasks` tasks, set up."""
+    return make_method(name, profile="smoke", tasks=[TASK_A] * n_tasks, n_stages=n_tasks, **args)
 
 
 def assert_same_as_seqft(run_dir: Path, seqft: Path) -> None:

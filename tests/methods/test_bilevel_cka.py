@@ -22,7 +22,7 @@ from cl_bench.methods.bilevel_cka.search import LayerFeatures
 from cl_bench.models import moe
 from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import params_command
-from helpers import answer_ce, final_weights, interrupted_run, only_run, run_cli, smoke_args
+from helpers import answer_ce, final_weights, interrupted_run, make_method, only_run, random_batch, run_cli, smoke_args
 
 D, K, h = 64, 8, 16
 PER_EXPERT = 3 * h * D + D + 1  # gate, up, down + router row and bias
@@ -32,11 +32,8 @@ def make(**args):
     """The method after task 0 on the tiny Llama, its experts and rows moved off
     their slices (a trained look), and the stage of task 1 begun. Seeded: the router
     rows of task 0's group come from the global generator."""
-    cls = registry.get("bilevel-cka")
-    method = cls(cls.parse_args({"lr": 1e-2, **args}), context=MethodContext.for_shapes(3))
-    model, _, _ = tiny_llama(0)
-    torch.manual_seed(0)
-    method.setup(model)
+    method = make_method("bilevel-cka", context=MethodContext.for_shapes(3), **{"lr": 1e-2, **args})
+    model = method.model
     method.before_task(Stage(0, [], "task 0"))
     with torch.no_grad():
         g = torch.Generator().manual_seed(1)
@@ -47,12 +44,7 @@ def make(**args):
     return method, model
 
 
-def batch(seed=0):
-    ids = torch.randint(3, 259, (2, 12), generator=torch.Generator().manual_seed(seed))
-    mask = torch.ones_like(ids)
-    mask[1, 9:] = 0  # right padding, as the collator makes
-    labels = ids.masked_fill(mask == 0, -100)
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+batch = random_batch  # two rows of 12 random ids, the second right-padded
 
 
 def logits(model, b, method=None, pi=None):

@@ -6,12 +6,11 @@ import json
 import pytest
 import torch
 
-from cl_bench import registry
 from cl_bench.record import io as results
 from cl_bench.method import MethodContext, Stage, trainable_groups
 from cl_bench.models import moe
 from cl_bench.models.loading import tiny_llama
-from helpers import interrupted_run, only_run, run_cli, smoke_args
+from helpers import interrupted_run, make_method, only_run, run_cli, smoke_args
 
 
 def _step(model):
@@ -30,10 +29,8 @@ def _snapshot(model):
 
 
 def test_branch_then_mix_train_what_they_should():
-    cls = registry.get("btx")
-    method = cls(cls.parse_args({}), context=MethodContext.for_shapes(3))
-    model, _, _ = tiny_llama(0)
-    method.setup(model)
+    method = make_method("btx", context=MethodContext.for_shapes(3))
+    model = method.model
     for t in range(2):
         stage = Stage(t, [], f"task {t}")
         method.before_task(stage)
@@ -67,12 +64,10 @@ def test_every_branch_starts_from_the_pretrained_mlp_which_no_mix_changes():
     dense MLP, and after each mix the layer's dense MLP (the shared path) is still the
     pretrained one, while the new group holds the trained branch. Mutation caught: the
     trained branch written into the seed MLP (branches chain)."""
-    cls = registry.get("btx")
-    method = cls(cls.parse_args({}), context=MethodContext.for_shapes(3))
-    model, _, _ = tiny_llama(0)
     seed = {n: p.detach().clone() for n, p in tiny_llama(0)[0].model.layers.named_parameters()
             if ".mlp." in n}  # layers.{i}.mlp.{gate,up,down}_proj.weight
-    method.setup(model)
+    method = make_method("btx", context=MethodContext.for_shapes(3))
+    model = method.model
     for t in range(2):
         stage = Stage(t, [], f"task {t}")
         method.before_task(stage)

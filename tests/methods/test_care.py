@@ -14,11 +14,10 @@ import torch.nn.functional as F
 
 from cl_bench import registry
 from cl_bench.record import io as results
-from cl_bench.config import resolve
-from cl_bench.data.encode import IGNORE, Encoder, collate
+from cl_bench.data.encode import IGNORE, Encoder
 from cl_bench.errors import UserError
 from cl_bench.eval.generation import greedy_generate
-from cl_bench.method import MethodContext, Stage
+from cl_bench.method import Stage
 from cl_bench.methods.care.args import UNIFORM_CE_TOL
 from cl_bench.methods.care.layer import entropy, select_routers, top_k_softmax
 from cl_bench.methods.care.pseudo_labels import _key, kmeans, perceiver_loss
@@ -26,7 +25,8 @@ from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import schedule_report
 from cl_bench.models.prompt_pool import (DECODE, POOL, PromptPool, first_tokens, masked_mean, prompt_mask,
                                          prompt_tokens)
-from helpers import assert_decodes_as_the_plain_loop, interrupted_run, only_run, run_cli, smoke_args
+from helpers import (assert_decodes_as_the_plain_loop, encode, interrupted_run, make_method, only_run, run_cli,
+                     smoke_args)
 
 D, G = 64, 8
 
@@ -47,15 +47,8 @@ TASKS = [
 
 def make(n_tasks: int = 3, **args):
     """CaRE on the tiny Llama with the smoke profile's config and TASKS, set up."""
-    model, tokenizer, _ = tiny_llama(0)
-    config = resolve("smoke", None, {"method": "care"})
-    ctx = MethodContext(config=config, device=torch.device("cpu"), tokenizer=tokenizer,
-                        all_tasks=TASKS[:n_tasks])
-    cls = registry.get("care")
-    method = cls(cls.parse_args(args), ctx)
-    torch.manual_seed(0)
-    method.setup(model)
-    return method, model
+    method = make_method("care", profile="smoke", tasks=TASKS[:n_tasks], **args)
+    return method, method.model
 
 
 def stage(t: int) -> Stage:
@@ -63,9 +56,7 @@ def stage(t: int) -> Stage:
 
 
 def batch_of(method, task, split="train") -> dict[str, torch.Tensor]:
-    enc = Encoder.from_config(method.ctx.tokenizer, method.ctx.config.train)
-    return collate([enc.train_example(e.prompt, e.answer) for e in getattr(task, split)],
-                   method.ctx.tokenizer.pad_token_id)
+    return encode(method, getattr(task, split))
 
 
 def grow(method, n: int) -> None:

@@ -17,18 +17,18 @@ import torch.nn.functional as F
 
 from cl_bench import registry
 from cl_bench.record import io as results
-from cl_bench.config import resolve
-from cl_bench.data.encode import Encoder, collate
+from cl_bench.data.encode import Encoder
 from cl_bench.errors import UserError
 from cl_bench.losses import distillation_kl
-from cl_bench.method import MethodContext, Stage
+from cl_bench.method import Stage
 from cl_bench.methods.cluster_upcycle import (cluster_experts, dense_routing, drift_ladder,
                                               slice_rank_cap)
 from cl_bench.methods.cluster_upcycle.whiten import energy_rank, spherical_kmeans, whitened_truncated_svd
 from cl_bench.models import moe
 from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import schedule_report
-from helpers import SMOKE_TASKS, interrupted_run, only_run, run_cli, smoke_args, trace_example
+from helpers import (SMOKE_TASKS, batch_of, interrupted_run, make_method, only_run, run_cli, smoke_args,
+                     trace_example)
 
 D, K, h = 64, 8, 16
 GROUP = K * 3 * h * D + K * (D + 1)  # one group of one layer: experts + router rows and biases
@@ -58,13 +58,7 @@ class FutureTask:
 def make(tasks=None, **args):
     """The method on the tiny model with the smoke config, set up (dense)."""
     tasks = tasks if tasks is not None else [make_task(n) for n in SMOKE_TASKS]
-    model, tokenizer, _ = tiny_llama(0)
-    config = resolve("smoke", None, {"method": "cluster-upcycle"})
-    ctx = MethodContext(config=config, device=torch.device("cpu"), tokenizer=tokenizer, all_tasks=tasks)
-    cls = registry.get("cluster-upcycle")
-    method = cls(cls.parse_args(args), ctx)
-    method.setup(model)
-    return method
+    return make_method("cluster-upcycle", profile="smoke", tasks=tasks, **args)
 
 
 def start(method, t: int):
@@ -73,10 +67,9 @@ def start(method, t: int):
     return stage
 
 
-def batch_of(method, t: int = 0, n: int = 4) -> dict[str, torch.Tensor]:
-    enc = Encoder.from_config(method.ctx.tokenizer, method.ctx.config.train)
-    rows = [enc.train_example(e.prompt, e.answer) for e in method.ctx.all_tasks[t].train[:n]]
-    return collate(rows, method.ctx.tokenizer.pad_token_id)
+def task_batch(method, t: int = 0, n: int = 4) -> dict[str, torch.Tensor]:
+    """The first `n` examples of the method's task t."""
+    return batch_of(method, method.ctx.all_tasks[t], n)
 
 
 def logits(model, b):
@@ -279,7 +272,7 @@ def test_calibration_never_reads_a_later_task():
 
 def test_full_rank_experts_with_swap_start_as_the_dense_model():
     method = make(tau=1.0, rank_cap=0)
-    b = batch_of(method)
+    b = task_batch(method)
     dense_logits = logits(method.model, b)
     start(method, 0)
     assert moe.experts_per_layer(method.model) == [K, K]
@@ -423,7 +416,7 @@ def test_ema_update_and_what_it_holds_across_tasks():
     off = make(eesd_weight=0.0)
     start(off, 0)
     assert off._ema == {} and off.param_report()["ema_teacher"] == 0
-    loss, parts = off.loss(batch_of(off), 0)
+    loss, parts = off.loss(task_batch(off), 0)
     assert set(parts) == {"lm", "lb"}
 
 
@@ -454,7 +447,7 @@ def test_teacher_is_the_ema_model_run_densely():
     method = make()
     model = method.model
     start(method, 0)
-    b = batch_of(method)
+    b = task_batch(method)
     params = dict(model.named_parameters())
     with torch.no_grad():  # the student moves away from its EMA
         for n in method._ema:
@@ -503,7 +496,7 @@ def test_eesd_is_the_distillation_kl_teacher_to_student_on_answer_tokens():
 def test_loss_adds_weighted_eesd_to_lm_and_balancing():
     method = make(eesd_weight=0.5)
     start(method, 0)
-    b = batch_of(method)
+    b = task_batch(method)
     method.model.train()
     loss, parts = method.loss(b, 0)
     assert set(parts) == {"lm", "lb", "eesd"} and parts["eesd"] > 0  # dense teacher != sparse student

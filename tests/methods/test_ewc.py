@@ -6,8 +6,8 @@ import torch
 
 from cl_bench.data.encode import IGNORE, collate
 from cl_bench.method import Stage, lm_loss
-from helpers import (TASK_A, TASK_B, TWO_TASKS, assert_same_as_seqft, interrupted_run, make, make_trace, metric,
-                     only_run, record, run_cli, smoke_args, task, task_batch)
+from helpers import (TASK_A, TASK_B, TWO_TASKS, assert_same_as_seqft, encode, interrupted_run, make, make_trace,
+                     metric, only_run, record, run_cli, smoke_args, task)
 
 # The λ = 0 reference run, seqft_two_tasks: tests/methods/conftest.py.
 
@@ -64,7 +64,7 @@ def test_ewc_adds_exactly_the_penalty_gradient_before_the_step():
     gen = torch.Generator().manual_seed(0)
     m.fisher = {n: torch.rand(p.shape, generator=gen) for n, p in params.items()}
     m.anchor = {n: p.detach() + 0.1 * torch.randn(p.shape, generator=gen) for n, p in params.items()}
-    batch = task_batch(m, TASK_A)
+    batch = encode(m, TASK_A.train)
     loss, parts = m.loss(batch, 0)
     assert set(parts) == {"lm", "ewc"} and parts["ewc"] > 0
     assert loss.item() == pytest.approx(parts["lm"] + parts["ewc"], rel=1e-6)

@@ -9,7 +9,7 @@ import torch
 from cl_bench.data.encode import IGNORE
 from cl_bench.method import Stage
 from helpers import (TASK_A, TASK_B, TWO_TASKS, answer_ce, assert_same_as_seqft, distinct_stages, encode, make,
-                     make_method, make_trace, metric, only_run, record, run_cli, run_steps, smoke_args, task_batch)
+                     make_method, make_trace, metric, only_run, record, run_cli, run_steps, smoke_args)
 
 # The λ = 0 reference run, seqft_two_tasks: tests/methods/conftest.py.
 
@@ -29,7 +29,7 @@ def test_lwf_with_zero_lambda_is_seqft(seqft_two_tasks, tmp_path):
 
 def test_lwf_kl_is_zero_for_the_teacher_itself_and_grows_after_a_step():
     m = make("lwf")
-    batch = task_batch(m, TASK_A)
+    batch = encode(m, TASK_A.train)
     m.before_task(Stage(0, [TASK_A], "a"))
     assert m.teacher is None and m.loss(batch, 0)[1]["kl"] == 0.0
     m.before_task(Stage(1, [TASK_B], "b"))  # teacher = the model as it is now

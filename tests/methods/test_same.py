@@ -26,7 +26,8 @@ from cl_bench.methods.same import SAMEArgs, activation_schedule, activation_scor
 from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import schedule_report
 from cl_bench.methods.same.subspace import Subspace, damped_inverse, energy_rank, spectral_projection, top_subspace
-from helpers import assert_decodes_as_the_plain_loop, interrupted_run, only_run, run_cli, smoke_args
+from helpers import (assert_decodes_as_the_plain_loop, interrupted_run, make_method, only_run, random_batch, run_cli,
+                     smoke_args)
 
 E = 3
 SIZE = 2 * (3 * E * 8 * (64 + 128) + E * (64 + 64 + 128))  # 29184
@@ -35,11 +36,8 @@ SIZE = 2 * (3 * E * 8 * (64 + 128) + E * (64 + 64 + 128))  # 29184
 def make(context=None, **args):
     """SAME set up on the tiny Llama, with its experts and routers moved off their
     init (a trained look: B != 0, so experts and routing matter)."""
-    cls = registry.get("same")
-    method = cls(cls.parse_args({"n_experts": E, **args}), context=context or MethodContext.for_shapes(E))
-    model, _, _ = tiny_llama(0)
-    torch.manual_seed(0)
-    method.setup(model)
+    method = make_method("same", context=context or MethodContext.for_shapes(E), **{"n_experts": E, **args})
+    model = method.model
     with torch.no_grad():
         g = torch.Generator().manual_seed(1)
         for name, p in model.named_parameters():
@@ -52,12 +50,7 @@ def make(context=None, **args):
 
 def batch(seed=0, prompt=6, length=12):
     """Two rows: prompt tokens labelled -100, the second row right-padded."""
-    ids = torch.randint(3, 259, (2, length), generator=torch.Generator().manual_seed(seed))
-    mask = torch.ones_like(ids)
-    mask[1, length - 3:] = 0
-    labels = ids.masked_fill(mask == 0, -100)
-    labels[:, :prompt] = -100
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    return random_batch(seed, length, prompt)
 
 
 def step(method, optimizer, b, i):
@@ -89,11 +82,9 @@ def weights(method):
 # ---- architecture ------------------------------------------------------------------------
 
 def test_wraps_every_ffn_linear_and_starts_as_the_dense_model():
-    cls = registry.get("same")
-    method = cls(cls.parse_args({"n_experts": E}), context=MethodContext.for_shapes(3))
-    model, _, _ = tiny_llama(0)
+    method = make_method("same", context=MethodContext.for_shapes(3), n_experts=E)
+    model = method.model
     dense, _, _ = tiny_llama(0)
-    method.setup(model)
     ids = torch.randint(3, 259, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, dense(input_ids=ids).logits, rtol=0, atol=0)

@@ -2,12 +2,12 @@
 item scores, so that Last Acc, BWT and their paired intervals are known by hand."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from cl_bench.metrics.cl import summarise
+from helpers import write_run as write_folder
 
 SMOKE_ORDER = ["NumGLUE-cm", "Py150", "20Minuten"]
 
@@ -42,10 +42,7 @@ def write_run(folder: Path, method: str, args: dict, final: list[int], *, peak: 
                    "data": {"order": list(tasks), "test_split": split}, "train": {"batch_size": 4}, "eval": {},
                    "replay": {}},
     }
-    folder.mkdir(parents=True)
-    (folder / "run.json").write_text(json.dumps(record))
-    (folder / "predictions.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preds))
-    return folder
+    return write_folder(folder, record, preds)
 
 
 @pytest.fixture
