@@ -94,7 +94,7 @@ def load_decisions(path: str | Path) -> list:
         data = [row.get("decisions") for row in data["params"]]
         if any(d is None for d in data[1:]):
             raise UserError(f"--decisions {path}: the record has stages without decisions "
-                            f"(not a bilevel-cka run with masks?)")
+                            f"(its method records no Expand / Recycle decisions?)")
     if not isinstance(data, list):
         raise UserError(f"--decisions {path}: expected a list [task][layer][slot] of 0/1")
     return data
