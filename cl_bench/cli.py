@@ -42,11 +42,12 @@ def cmd_run(args) -> int:
     as an interrupt, and one that transformers' lazy imports swallowed is still seen."""
     stop = args.stop
     from cl_bench import config as cfg
+    from cl_bench.run import resume
     from cl_bench.run.prepare import prepare
     from cl_bench.report.text import format_matrix
     from cl_bench.run.sequencer import execute
 
-    config = None
+    resuming = None
     if args.resume is None:
         overrides = run_overrides(args)  # its --profile, if given, beats the file's `profile:`
         config = cfg.resolve("cpu", args.config, overrides)
@@ -56,6 +57,8 @@ def cmd_run(args) -> int:
         if given:
             raise UserError(f"--resume continues a run with its recorded config; drop {', '.join(given)} "
                             f"(to change them, start a new run)")
+        resuming = resume.recorded(args.resume)  # read and checked once; its config built once
+        config = resuming.config
     if args.nproc is not None:
         from cl_bench.backends.launch import launch, must_launch
 
@@ -64,9 +67,9 @@ def cmd_run(args) -> int:
             return EXIT_INTERRUPTED if interrupted else code
     stop.check()
     started: list[Path] = []
-    named = config is not None and config.run_id is not None  # by --run-id or the config file
+    named = resuming is None and config.run_id is not None  # by --run-id or the config file
     try:
-        run = prepare(config, args.resume, progress=not args.no_progress, command=args.command_line,
+        run = prepare(config, resuming, progress=not args.no_progress, command=args.command_line,
                       on_start=lambda run_dir, *rest: (started.append(run_dir), _announce(run_dir, *rest)))
     except KeyboardInterrupt:
         from cl_bench.record.io import RUN_FILE
@@ -81,7 +84,7 @@ def cmd_run(args) -> int:
         record = execute(run, keep_checkpoint=args.keep_checkpoint, stop=stop)
     except KeyboardInterrupt:
         if run.backend.is_main:
-            print(f"\n{_interrupted(run)}", file=sys.stderr)
+            print(f"\n{resume.left_by_interrupt(run)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     if run.backend.is_main:
         print(format_matrix(record, record.intervals))
@@ -97,25 +100,6 @@ def _announce(run_dir: Path, config, method_args, record) -> None:
     left = for_run(config, method_args, record.stages_done if record else 0,
                    bool(record and record.zero_shot is not None))
     print(f"estimated time{' left' if record else ''}: {left}", flush=True)
-
-
-def _interrupted(run) -> str:
-    """What an interrupt leaves, in one line: resume continues after the last checkpoint,
-    or, with none yet, starts the run again in its folder."""
-    from cl_bench.record.io import STEP_CHECKPOINT_DIR, has_checkpoint
-
-    again = f"{program()} run --resume {run.run_dir}"
-    done, total = run.record.stages_done, len(run.stages)
-    if has_checkpoint(run.run_dir, STEP_CHECKPOINT_DIR):
-        return (f"interrupted; {done} of {total} stages are saved, and stage {done + 1} up to its last in-stage "
-                f"checkpoint; continue with: {again}")
-    if has_checkpoint(run.run_dir):
-        return f"interrupted; {done} of {total} stages are saved; continue with: {again}"
-    scored = sum(score is not None for score in run.record.zero_shot or [])
-    if scored:
-        return (f"interrupted before the first stage was saved; {scored} of {len(run.tasks)} zero-shot scores "
-                f"are saved; continue with: {again}")
-    return f"interrupted before the first stage was saved; nothing to keep; start it again with: {again}"
 
 
 def cmd_show(args) -> int:

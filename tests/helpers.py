@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from cl_bench import registry
 from cl_bench.record import io as results
+from cl_bench.run import checkpoint
 from cl_bench.benchmarks.trace.loader import Example
 from cl_bench.cli import main
 from cl_bench.config import RunConfig, TrainConfig, resolve
@@ -218,7 +219,7 @@ def metric(run_dir: Path, key: str, stage: int | None = None) -> list[float]:
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return results.load_checkpoint(run_dir)["model"]
+    return checkpoint.load_checkpoint(run_dir)["model"]
 
 
 def task(*pairs: tuple[str, str]):

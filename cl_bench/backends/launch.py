@@ -14,18 +14,13 @@ from cl_bench.errors import UserError
 
 def must_launch(args, config) -> bool:
     """--nproc N: whether this process must start the N ranks (False: it is one of
-    them). Everything checkable is checked here, once, before N processes start."""
+    them). Everything checkable is checked here, once, before N processes start;
+    `config`: the run's (for --resume, the recorded one)."""
     from cl_bench import registry
     from cl_bench.backends import check_support
-    from cl_bench.config import build
-    from cl_bench.run.prepare import resumable
-    from cl_bench.record.io import RUN_FILE, read_record
 
     if args.nproc < 1:
         raise UserError(f"--nproc {args.nproc}: give at least 1 rank")
-    if config is None:
-        record = resumable(read_record(args.resume), args.resume)
-        config = build(record.config, f"{args.resume / RUN_FILE}: config")
     if config.backend != "deepspeed":
         raise UserError("--nproc starts ranks of the deepspeed backend; add --backend deepspeed")
     if "RANK" in os.environ:

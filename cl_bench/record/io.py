@@ -1,8 +1,8 @@
 """The run folder: the run record (run.json, cl_bench/record/schema.py) and its one
-reader, predictions.jsonl and metrics.jsonl, the claim and lock of the folder,
-checkpoints. Everything is written atomically: a write goes to a temporary file
-in the same folder and replaces the target with os.replace, so an interrupted
-write never damages what was there.
+reader, predictions.jsonl and metrics.jsonl, the claim and lock of the folder
+(its checkpoints: cl_bench/run/checkpoint.py). Everything is written atomically:
+a write goes to a temporary file in the same folder and replaces the target with
+os.replace, so an interrupted write never damages what was there.
 """
 from __future__ import annotations
 
@@ -10,19 +10,12 @@ import errno
 import fcntl
 import json
 import os
-import pickle
 import platform
-import re
-import random
-import shutil
 import stat
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
-
-import numpy as np
-import torch
 
 from cl_bench.errors import UserError, program
 from cl_bench.record.schema import RunRecord
@@ -30,8 +23,6 @@ from cl_bench.record.schema import RunRecord
 RUN_FILE = "run.json"
 PREDICTIONS_FILE = "predictions.jsonl"
 METRICS_FILE = "metrics.jsonl"
-CHECKPOINT_DIR = "checkpoint"  # after the last finished stage
-STEP_CHECKPOINT_DIR = "checkpoint-step"  # inside the stage in progress (train.checkpoint_every_s)
 LOCK_FILE = "run.lock"  # flock-ed by the process writing the run; holds its PID
 ZERO_SHOT_STAGE = -1  # the `stage` of the zero-shot row's predictions and task metrics
 
@@ -138,20 +129,6 @@ def append_metrics(run_dir: Path, rows: list[dict]) -> None:
         raise _cannot_write(run_dir, exc) from None
 
 
-def _write_failure(exc: Exception, folder: Path) -> str:
-    """Why a write failed, in words: the OS's reason, or for torch.save's RuntimeError
-    ("[enforce fail at inline_container.cc:N] . PytorchStreamWriter failed writing file
-    data/3: file write failed") its last clause and the space left on that disk."""
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    last = str(exc).splitlines()[0].rsplit(": ", 1)[-1] if str(exc) else type(exc).__name__
-    try:
-        free = shutil.disk_usage(folder).free
-    except OSError:
-        return last
-    return f"{last}; {free / 2**20:.0f} MiB free on its disk"
-
-
 def _cannot_write(run_dir: Path, exc: Exception) -> UserError:
     reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
     return UserError(f"{run_dir}: cannot write the run's files ({reason}); the last checkpoint is "
@@ -199,6 +176,20 @@ def lock_run(run_dir: Path):
         raise UserError(f"{run_dir}: run folder is not writable ({exc.strerror}); free space or fix "
                         f"its permissions") from None
     return fh
+
+
+def is_running(run_dir: Path) -> bool:
+    """Whether a process holds the run folder's lock (lock_run) now."""
+    path = run_dir / LOCK_FILE
+    if not path.is_file():
+        return False
+    with open(path, "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.flock(fh, fcntl.LOCK_UN)
+    return False
 
 
 def claim_run_dir(run_dir: Path):
@@ -255,92 +246,3 @@ def git_commit() -> str | None:
         return None
     return sha + ("+dirty" if dirty else "")
 
-
-# ---- checkpoints ---------------------------------------------------------------
-
-def rng_state() -> dict[str, Any]:
-    """Python's, numpy's and torch's generator states as tensors and plain values
-    (numpy's key array as a tensor), so checkpoints load with weights_only=True."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"python": random.getstate(),
-            "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
-            "torch": torch.get_rng_state()}
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    name, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-
-
-def save_checkpoint(run_dir: Path, state: dict[str, Any], name: str = CHECKPOINT_DIR) -> None:
-    """Write the folder `name` (checkpoint/) whole, then swap it in: the previous one
-    survives a crash."""
-    final = run_dir / name
-    staging = run_dir / f"{name}.new"
-    old = run_dir / f"{name}.old"
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        staging.mkdir()
-        torch.save(state, staging / "state.pt")
-    except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as RuntimeError
-        shutil.rmtree(staging, ignore_errors=True)
-        raise UserError(f"{staging}: cannot write the checkpoint ({_write_failure(exc, run_dir)}); the "
-                        f"previous one is kept: free space, then {program()} run --resume {run_dir}") from None
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-    staging.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def has_checkpoint(run_dir: Path, name: str = CHECKPOINT_DIR) -> bool:
-    return any((run_dir / folder / "state.pt").exists() for folder in (name, f"{name}.old"))
-
-
-def stranded(run_dir: Path, stages_done: int) -> str | None:
-    """Why --resume cannot continue a record of `stages_done` finished stages whose
-    folder holds no stage checkpoint (None: it can). With 0 or 1 stages recorded none
-    is needed: a stop in stage 1, or between stage 1's record and its checkpoint, and
-    the run starts again. With more, cl-bench has always left one, so the folder was
-    copied without its git-ignored checkpoint folders (to another machine, a clone) or
-    the checkpoint was removed; starting again would overwrite the recorded stages."""
-    if stages_done < 2 or has_checkpoint(run_dir):
-        return None
-    return (f"{run_dir / RUN_FILE}: stages_done is {stages_done}, but {run_dir} holds no {CHECKPOINT_DIR}/state.pt "
-            f"(copied without its git-ignored checkpoint folders, or removed), and --resume would start again "
-            f"from stage 1 over the {stages_done} recorded stages: put {CHECKPOINT_DIR}/ back beside "
-            f"{RUN_FILE}, or move the folder away and start the run again")
-
-
-def remove_checkpoint(run_dir: Path, name: str) -> None:
-    for folder in (name, f"{name}.old", f"{name}.new"):
-        shutil.rmtree(run_dir / folder, ignore_errors=True)
-
-
-def checkpoint_file(run_dir: Path, name: str = CHECKPOINT_DIR) -> Path | None:
-    """The state.pt that load_checkpoint reads (None: there is none)."""
-    for folder in (name, f"{name}.old"):
-        if (run_dir / folder / "state.pt").exists():
-            return run_dir / folder / "state.pt"
-    return None
-
-
-def load_checkpoint(run_dir: Path, name: str = CHECKPOINT_DIR) -> dict[str, Any]:
-    """The last checkpoint, loaded with `weights_only=True`: tensors and plain types
-    only, so a checkpoint from someone else cannot run code on --resume."""
-    path = checkpoint_file(run_dir, name)
-    if path is not None:
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as exc:
-            found = re.search(r"GLOBAL ([\w.]+)", str(exc))  # what the file asked to import
-            first = f"it imports {found.group(1)}" if found else type(exc).__name__
-            raise UserError(f"{path}: refused: it holds more than tensors and plain values ({first}); "
-                            f"a cl-bench checkpoint never does, so it was not written by cl-bench") from None
-        except (EOFError, RuntimeError, OSError) as exc:
-            raise UserError(f"{path}: unreadable checkpoint ({type(exc).__name__}); the run cannot "
-                            f"resume from it: start it again under a new --run-id") from None
-    raise UserError(f"{run_dir}: no checkpoint to resume from (the run stopped before its "
-                    f"first stage finished); start it again without --resume")

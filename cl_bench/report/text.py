@@ -69,9 +69,8 @@ def format_matrix(record: RunRecord, intervals: dict | None = None) -> str:
 
 def status_line(record: RunRecord, run_dir: Path) -> str:
     """`cl-bench show` of a run that is not complete: where it stands and what to do, in one line."""
-    from cl_bench.tools.campaign.plan import is_running
     from cl_bench.errors import program
-    from cl_bench.record.io import LOCK_FILE
+    from cl_bench.record.io import LOCK_FILE, is_running
 
     done = f"{record.stages_done} of {len(record.stages)} stages done"
     if is_running(run_dir):

@@ -1,19 +1,17 @@
 """Prepare a run: validate what can be checked without a model, claim (or, for
 --resume, lock) the run folder, load data and model, set the method up, and
-start the record, or restore the interrupted run's record and checkpoint.
-What it returns, a Run, is what the stage loop (cl_bench/run/sequencer.py) runs.
+start the record, or continue the interrupted run where cl_bench/run/resume.py
+says. What it returns, a Run (cl_bench/run/state.py), is what the stage loop
+(cl_bench/run/sequencer.py) runs.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
 import math
 import secrets
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,14 +19,16 @@ import torch
 
 from cl_bench import registry
 from cl_bench.record import io as results
-from cl_bench.run import checkpoint as run_state
+from cl_bench.run import resume
+from cl_bench.run.resume import Resuming
+from cl_bench.run.state import Run
 from cl_bench.eval.probes.representation import RepresentationProbe
 from cl_bench.eval.probes.routing import RoutingProbe
 from cl_bench.backends import Backend, check_support
 from cl_bench.backends import create as create_backend
 from cl_bench.benchmarks.trace import load_benchmark, load_split, resolve_data_dir, resolve_order
 from cl_bench.benchmarks.trace.tasks import CL_TASKS
-from cl_bench.config import RunConfig, build, check_per_task
+from cl_bench.config import RunConfig, check_per_task
 from cl_bench.data.encode import Encoder
 from cl_bench.errors import UserError, did_you_mean
 from cl_bench.eval.evaluation import majority_level
@@ -39,90 +39,43 @@ from cl_bench.models.loading import load
 from cl_bench.record.schema import RunRecord, StageRecord
 from cl_bench.data.replay import ReplayBuffer
 
-log = logging.getLogger(__name__)
-
-
-@dataclass
-class Run:
-    """Everything one run holds while it goes."""
-
-    config: RunConfig
-    run_dir: Path
-    method: Method
-    tasks: list
-    stages: list[Stage]
-    encoder: Encoder
-    backend: Backend
-    record: RunRecord
-    replay: ReplayBuffer
-    replay_sources: dict[str, list]  # task name -> examples the buffer may hold
-    predictions: list[dict] = field(default_factory=list)
-    optimizer: torch.optim.Optimizer | None = None
-    progress: bool = True
-    probe: RepresentationProbe | None = None  # eval.cka_probe > 0
-    routing: RoutingProbe | None = None  # eval.routing_probe > 0
-    lima: LimaProbe | None = None  # general.lima > 0
-    general_tasks: GeneralTasks | None = None  # general.tasks (lm-eval)
-    lock: Any = None  # rank 0: the run folder's lock (results.lock_run), held until execute ends
-    metrics: Any = None  # the per-step metric logger (cl_bench/run/metric_log.py), while execute runs
-    global_step: int = 0  # optimiser steps so far over the whole run (the metric logger's x axis)
-
-    @property
-    def cache_dir(self) -> Path | None:
-        """Tokenised splits, shared by the runs of one output folder; written by rank 0
-        only (the others tokenise in memory)."""
-        return self.run_dir.parent / ".cache" if self.backend.is_main else None
-
 
 def new_run_id(method: str) -> str:
     return f"{method}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
-def prepare(config: RunConfig | None, resume_dir: Path | None = None, progress: bool = True,
+def prepare(config: RunConfig, resuming: Resuming | None = None, progress: bool = True,
             command: str | None = None, on_start: Callable[..., None] | None = None) -> Run:
-    """Validate, load data and model, set the method up; with `resume_dir`, the
-    config comes from that run's record and its checkpoint is restored.
-    Everything that can be checked without a model is checked first. `command`:
-    the command line to record (default: this process's). `on_start(run_dir, config,
-    method_args, record)`, on the main rank, once the run folder is claimed (or locked,
-    for a resume: `record` is then the recorded one), before data and model load."""
+    """Validate, load data and model, set the method up; with `resuming`
+    (resume.recorded), `config` is its recorded one and the run continues where
+    cl_bench/run/resume.py says. Everything that can be checked without a model is
+    checked first. `command`: the command line to record (default: this process's).
+    `on_start(run_dir, config, method_args, record)`, on the main rank, once the run
+    folder is claimed (or locked, for a resume: `record` is then the recorded one),
+    before data and model load."""
     t_start = time.perf_counter()
     command = command or shlex.join(["cl-bench", *sys.argv[1:]])
-    if resume_dir is not None:
-        try:
-            record = resumable(results.read_record(resume_dir), resume_dir)
-        except UserError:
-            if (resume_dir / results.LOCK_FILE).is_file():  # a run starting there, before its first record?
-                from cl_bench.tools.campaign.plan import is_running
-
-                if not is_running(resume_dir) and [p.name for p in resume_dir.iterdir()] == [results.LOCK_FILE]:
-                    raise UserError(f"{resume_dir}: the run stopped before its record was written, so there is "
-                                    f"nothing to resume; start it again with its own flags and --run-id "
-                                    f"{resume_dir.name} --output-dir {resume_dir.parent} (a folder holding only "
-                                    f"{results.LOCK_FILE} counts as empty)") from None
-                results.lock_run(resume_dir).close()  # if so, this names its PID
-            raise
-        with _naming_the_record(resume_dir / results.RUN_FILE):
-            config = build(record.config, f"{resume_dir / results.RUN_FILE}: config")
+    if resuming is not None:
+        with resume.naming_the_record(resuming.run_dir):
             method_cls, method_args, data_dir = _checked(config)
-        run_dir = resume_dir
     else:
         method_cls, method_args, data_dir = _checked(config)
     g = config.general  # lm-eval's tasks built offline: a task without local data stops the run here
     general_tasks = GeneralTasks.prepare(g.tasks, g.limit, g.every_stage, config.eval.batch_size) if g.tasks else None
     backend = create_backend(config)  # deepspeed: joins the other ranks
     held: list = []  # rank 0: the run folder's lock, from here until execute ends
-    if resume_dir is None:
+    if resuming is None:
         config.run_id = config.run_id or backend.on_main(lambda: new_run_id(config.method))
         run_dir = Path(config.output_dir) / config.run_id
         backend.on_main(lambda: held.append(results.claim_run_dir(run_dir)))
     else:
+        run_dir = resuming.run_dir
         backend.on_main(lambda: held.append(results.lock_run(run_dir)))
     try:
         if on_start is not None:
-            backend.on_main(lambda: on_start(run_dir, config, method_args, record if resume_dir else None))
-        run = _prepare_locked(config, resume_dir, run_dir, record if resume_dir is not None else None,
-                              method_cls, method_args, data_dir, backend, progress, command, t_start)
+            backend.on_main(lambda: on_start(run_dir, config, method_args, resuming and resuming.record))
+        run = _prepare_locked(config, resuming, run_dir, method_cls, method_args, data_dir, backend, progress,
+                              command, t_start)
     except BaseException:
         for lock in held:
             lock.close()
@@ -139,31 +92,17 @@ def _checked(config: RunConfig) -> tuple[type, Any, Path]:
     return method_cls, method_args, resolve_data_dir(config.data.data_dir)
 
 
-@contextlib.contextmanager
-def _naming_the_record(path: Path):
-    """A recorded config that fails a check: the error names the record's file."""
-    try:
-        yield
-    except UserError as exc:
-        if str(path) in str(exc):
-            raise
-        raise UserError(f"{path}: in field config: {exc}") from None
-
-
-def _prepare_locked(config, resume_dir, run_dir, record, method_cls, method_args, data_dir, backend,
-                    progress, command, t_start) -> Run:
+def _prepare_locked(config, resuming, run_dir, method_cls, method_args, data_dir, backend, progress, command,
+                    t_start) -> Run:
     """The rest of prepare, under the run folder's lock (released if this raises)."""
-    restart = False
-    if resume_dir is not None:
-        record = resumable(results.read_record(resume_dir), resume_dir)  # again, now no one else writes it
-        restart = not results.has_checkpoint(resume_dir)
+    record, restart = resume.under_lock(resuming) if resuming is not None else (None, False)
     d = config.data
     tasks = load_benchmark(data_dir, d.order, d.n_train, d.n_test, config.seed, d.n_train_per_task,
                            d.n_test_per_task, d.test_split)
     _check_answers(tasks, data_dir)
-    if resume_dir is not None:
-        _check_same_tasks(record, tasks, resume_dir / results.RUN_FILE)
-        _check_same_data(record, tasks, resume_dir)
+    if record is not None:
+        _check_same_tasks(record, tasks, run_dir / results.RUN_FILE)
+        _check_same_data(record, tasks, run_dir)
     replay = ReplayBuffer(config.replay, config.seed)
     sources = {t.name: t.train for t in tasks}
     lima = LimaProbe.load(data_dir, config.general.lima) if config.general.lima else None
@@ -186,12 +125,12 @@ def _prepare_locked(config, resume_dir, run_dir, record, method_cls, method_args
         _check_same_stages(record, stages, run_dir / results.RUN_FILE)
 
     kept: list[dict] = []  # a restart: the zero-shot row's predictions it keeps
-    if resume_dir is None or restart:
+    if record is None or restart:
         backend.on_main(lambda: run_dir.mkdir(parents=True, exist_ok=True))
         first = (command if record.command is None else record.command) if restart else command
         old, record = record, new_record(config, method, method_args, loaded.info, tasks, stages, first, backend)
         if restart:
-            kept = run_state.keep_zero_shot(old, record, run_dir)
+            kept = resume.keep_zero_shot(old, record, run_dir)
     run = Run(config, run_dir, method, tasks, stages, encoder, backend, record, replay, sources,
               predictions=kept, progress=progress and backend.is_main)
     if config.eval.cka_probe:
@@ -199,22 +138,12 @@ def _prepare_locked(config, resume_dir, run_dir, record, method_cls, method_args
     if config.eval.routing_probe:
         run.routing = RoutingProbe(config.eval.routing_probe)
     run.lima = lima
-    if resume_dir is not None and not restart:
-        run_state.restore(run, command)
+    if resuming is not None and not restart:
+        resume.restore(run, command)
     else:  # validation, data, model load and method set-up, before the first evaluation
         record.timing.prepare_s = round(time.perf_counter() - t_start, 2)
-    if restart:  # no checkpoint yet: the run starts again from its first stage, in its folder
-        record.resumes = [{"at_stage": 0, "command": command, "backend": backend.describe()}]
-        if backend.is_main:
-            within = results.has_checkpoint(run_dir, results.STEP_CHECKPOINT_DIR)
-            scored = sum(score is not None for score in record.zero_shot or [])
-            log.info("%s: no stage checkpoint (it stopped in stage 1, or before stage 1's was written); "
-                     "restarting it from stage 1%s%s", run_dir,
-                     f" (keeping the {scored} zero-shot scores)" if scored else "",
-                     ", then from its in-stage checkpoint" if within else "")
-        backend.barrier()  # every rank has read the files before rank 0 rewrites them
-        backend.on_main(lambda: (run_dir / results.METRICS_FILE).unlink(missing_ok=True))
-        run_state.write_files(run)
+    if restart:
+        resume.start_again(run, command)
     backend.barrier()  # every rank has read what rank 0 is about to rewrite
     return run
 
@@ -238,20 +167,6 @@ def checked(config: RunConfig) -> tuple[type, Any]:
     check_per_task(config, list(CL_TASKS))
     _check_model(config.model)
     return method_cls, method_args
-
-
-def resumable(record: RunRecord, resume_dir: Path) -> RunRecord:
-    """`record`, if --resume can continue it: not complete, its config recorded, and
-    the checkpoint of its finished stages there (results.stranded)."""
-    if record.status == "complete":
-        raise UserError(f"{resume_dir}: this run is already complete; nothing to resume")
-    if record.config is None:
-        raise UserError(f"{resume_dir / results.RUN_FILE}: the record has no 'config'; it cannot be "
-                        f"resumed: start a new run")
-    why = results.stranded(resume_dir, record.stages_done)
-    if why:
-        raise UserError(why)
-    return record
 
 
 def _method_class(name: str) -> type:

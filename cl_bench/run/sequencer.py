@@ -26,7 +26,8 @@ from cl_bench.run import checkpoint_shape
 from cl_bench.run import precision
 from cl_bench.run import progress
 from cl_bench.record import io as results
-from cl_bench.run import checkpoint as run_state
+from cl_bench.run import checkpoint
+from cl_bench.run import resume
 from cl_bench.run import signals
 from cl_bench.eval.probes.sharpness import expert_sharpness
 from cl_bench.data.encode import collate, tokenize_train
@@ -38,7 +39,7 @@ from cl_bench.metrics.intervals import run_intervals
 from cl_bench.method import Phase, Stage, prune_optimizer
 from cl_bench.run.metric_log import make_logger
 from cl_bench.metrics.cl import summarise
-from cl_bench.run.prepare import Run
+from cl_bench.run.state import Run
 from cl_bench.record.schema import ParamReport, RunRecord, StageTiming
 from cl_bench.run.schedule import LrSchedule
 
@@ -58,14 +59,14 @@ def execute(run: Run, keep_checkpoint: bool = False, stop: signals.Stop | None =
         try:
             run.metrics = make_logger(run.config.log, run.run_dir, run.config.to_dict(), run.backend.is_main)
             if not (run.run_dir / results.RUN_FILE).exists():  # a record from the start: an in-stage
-                run_state.write_files(run)  # checkpoint of stage 1 is resumed through it
+                run.write_files()  # checkpoint of stage 1 is resumed through it
             stop.check()
             ev = run.config.eval
             if (ev.eval_all or ev.zero_shot) and (rec.zero_shot is None or None in rec.zero_shot):
                 _zero_shot_row(run, stop)
             if _general(run, LIMA_ZERO_SHOT):
-                run_state.write_files(run)
-            at = run_state.load_in_stage(run)
+                run.write_files()
+            at = resume.load_in_stage(run)
             for stage in run.stages[rec.stages_done:]:
                 stop.check()
                 _run_stage(run, stage, stop, at)
@@ -75,17 +76,17 @@ def execute(run: Run, keep_checkpoint: bool = False, stop: signals.Stop | None =
             if run.backend.is_main:
                 rec.intervals = run_intervals(rec, run.predictions)
             rec.status = "complete"
-            run_state.write_files(run)
+            run.write_files()
             complete = True
             if not keep_checkpoint and run.backend.is_main:
-                for name in (results.CHECKPOINT_DIR, results.STEP_CHECKPOINT_DIR):
-                    results.remove_checkpoint(run.run_dir, name)
+                for name in (checkpoint.CHECKPOINT_DIR, checkpoint.STEP_CHECKPOINT_DIR):
+                    checkpoint.remove_checkpoint(run.run_dir, name)
             run.backend.barrier()  # no rank returns before rank 0 has written the run
         except BaseException as exc:
             if complete:  # cut while its checkpoints were removed: the record stays complete
                 if isinstance(exc, KeyboardInterrupt) or stop.fired:
                     log.warning("%s: stopped while removing the complete run's checkpoints; the run is complete "
-                                "(remove what is left of %s*/ by hand)", run.run_dir, results.CHECKPOINT_DIR)
+                                "(remove what is left of %s*/ by hand)", run.run_dir, checkpoint.CHECKPOINT_DIR)
                     return rec
                 raise
             if isinstance(exc, checkpoint_shape.LayoutError):  # a checkpoint of another layout: the record
@@ -93,7 +94,7 @@ def execute(run: Run, keep_checkpoint: bool = False, stop: signals.Stop | None =
             rec.status = "interrupted" if isinstance(exc, KeyboardInterrupt) or stop.fired else "failed"
             rec.error = f"{type(exc).__name__}: {exc}"
             try:
-                run_state.write_files(run)
+                run.write_files()
             except UserError as again:  # e.g. the disk is still full: the record keeps its last state
                 log.warning("%s", again)
             if stop.fired and not isinstance(exc, KeyboardInterrupt):
@@ -112,7 +113,7 @@ def execute(run: Run, keep_checkpoint: bool = False, stop: signals.Stop | None =
 def _zero_shot_row(run: Run, stop: signals.Stop) -> None:
     """The zero-shot row (stage -1, before any training) of the tasks not scored yet;
     the record and the predictions are written after each task, so a stop keeps the
-    tasks scored and --resume scores the rest (run_state.keep_zero_shot)."""
+    tasks scored and --resume scores the rest (resume.keep_zero_shot)."""
     rec = run.record
     rec.zero_shot = rec.zero_shot or [None] * len(run.tasks)
     last = time.perf_counter()
@@ -125,7 +126,7 @@ def _zero_shot_row(run: Run, stop: signals.Stop) -> None:
         now = time.perf_counter()
         rec.timing.zero_shot_s = round((rec.timing.zero_shot_s or 0.0) + now - last, 2)
         last = now
-        run_state.write_files(run)
+        run.write_files()
 
     todo = [j for j, score in enumerate(rec.zero_shot) if score is None]
     _evaluate(run, "zero-shot", todo, run.method.model, stop, task_done)
@@ -148,12 +149,12 @@ class _InStageCheckpoints:
         now = time.perf_counter()
         if self.every is None or now - self.last < self.every:
             return
-        run_state.save_in_stage(self.run, run_state.InStage(
+        checkpoint.save_in_stage(self.run, checkpoint.InStage(
             self.stage.index, phase, next_step, log_rows, self.run.global_step, round(now - self.t0, 2)))
         self.last = time.perf_counter()
 
 
-def _run_stage(run: Run, stage: Stage, stop: signals.Stop, at: run_state.InStage | None = None) -> None:
+def _run_stage(run: Run, stage: Stage, stop: signals.Stop, at: checkpoint.InStage | None = None) -> None:
     """Train, evaluate and save `stage`; `at`: continue it from that in-stage checkpoint;
     `stop` is checked after every step and evaluation batch."""
     rec, method = run.record, run.method
@@ -174,7 +175,7 @@ def _run_stage(run: Run, stage: Stage, stop: signals.Stop, at: run_state.InStage
         if at is not None and p <= at.phase:
             start = None if p < at.phase else at.step
             if p == at.phase:  # the hooks up to here rebuilt what the stage had; the saved state goes over it
-                run_state.enter_in_stage(run, at)
+                resume.enter_in_stage(run, at)
         desc = f"{label} {phase.name}" if len(phases) > 1 else f"{label} train"
         steps_done, used = _train_phase(run, stage, p, phase, desc, log_rows, len(phases) > 1, start,
                                         checkpoints, stop)
@@ -214,8 +215,8 @@ def _run_stage(run: Run, stage: Stage, stop: signals.Stop, at: run_state.InStage
         results.append_metrics(run.run_dir, log_rows)
     # Record first, checkpoint second: a crash between the two resumes from the
     # previous checkpoint and redoes this stage, never skips it.
-    run_state.write_files(run)
-    run_state.save(run, stage.index)
+    run.write_files()
+    checkpoint.save(run, stage.index)
     if not run.backend.is_main:
         return
     scores = ", ".join(f"{run.tasks[j].name} {evals[j].score:.1f}" for j in indices)
@@ -246,7 +247,7 @@ def _train_phase(run: Run, stage: Stage, index: int, phase: Phase, desc: str, lo
     start = n_steps if start is None else start
     if start > n_steps:
         raise checkpoint_shape.LayoutError(
-            f"{results.checkpoint_file(run.run_dir, results.STEP_CHECKPOINT_DIR)}: field step={start} is beyond "
+            f"{checkpoint.checkpoint_file(run.run_dir, checkpoint.STEP_CHECKPOINT_DIR)}: field step={start} is beyond "
             f"the phase's {n_steps} steps; {checkpoint_shape.FIX}")
     schedule = LrSchedule(run.optimizer, t.lr_schedule, t.warmup_ratio, n_steps)
     schedule.at(start)

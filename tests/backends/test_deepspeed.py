@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cl_bench.record import io as results
+from cl_bench.run import checkpoint
 from cl_bench.errors import UserError
 from helpers import (assert_same_run, deepspeed_args, interrupted_ds_run, log_rows, only_run, run_cli, small_buckets,
                      smoke_args)
@@ -234,7 +234,7 @@ def test_zero3_trains_added_experts_checkpoints_and_resumes(trace_dir, tmp_path,
 
     broken = tmp_path / "broken"
     run_dir = interrupted_ds_run(monkeypatch, *smoke_args(trace_dir, broken, *flags), at_stage=1)
-    state = results.load_checkpoint(run_dir)  # full weights: ZeRO-3 partitions gathered for saving
+    state = checkpoint.load_checkpoint(run_dir)  # full weights: ZeRO-3 partitions gathered for saving
     assert state["method"]["layout"] == [[8], [8]]
     assert all(t.numel() > 0 for t in state["model"].values())
     assert run_cli("run", "--resume", run_dir, "--no-progress") == 0

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cl_bench.record import io as results
+from cl_bench.run import checkpoint
 from helpers import (assert_same_run, deepspeed_args, interrupted_ds_run, make_trace, only_run, run_cli, smoke_args,
                      small_buckets)
 
@@ -117,7 +117,7 @@ def test_cli_starts_its_ranks_and_only_rank_zero_speaks(trace_dir, tmp_path):
     assert text.count("Last Acc") == 1
     record = json.loads((out / "r" / "run.json").read_text())
     assert record["backend"]["world_size"] == 2 and "--nproc 2" in record["command"]
-    state = results.load_checkpoint(out / "r")["model"]
+    state = checkpoint.load_checkpoint(out / "r")["model"]
     for layer in range(2):
         prefix = f"model.layers.{layer}.mlp"
         dense = state[f"{prefix}.dense.gate_proj.weight"]  # (H, d): slice c is rows c*h .. (c+1)*h

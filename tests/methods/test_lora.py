@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cl_bench.record import io as results
+from cl_bench.run import checkpoint
 from cl_bench.errors import UserError
 from cl_bench.models.loading import tiny_llama
 from helpers import LORA_SIZE, complete_record, make_method, only_run, run_cli, smoke_args, stages, train_stage
@@ -64,7 +64,7 @@ def test_lora_smoke_run_leaves_the_base_bit_identical(trace_dir, tmp_path):
     assert record["method_args"]["r"] == 8 and record["method_args"]["target_modules"] == ["q_proj", "v_proj"]
     report = record["params"][-1]
     assert report["trainable"] == LORA_SIZE and report["deployed"] == report["total"] - LORA_SIZE
-    final = results.load_checkpoint(run_dir)["model"]
+    final = checkpoint.load_checkpoint(run_dir)["model"]
     pristine = tiny_llama(record["seed"])[0].state_dict()
     base = {k.replace(".base_layer", ""): v for k, v in final.items() if ".lora_" not in k}
     assert base.keys() == pristine.keys()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cl_bench.record import io as results
+from cl_bench.run import checkpoint
 from cl_bench.models.loading import tiny_llama
 from helpers import (LORA_SIZE, answer_ce, batch_of, complete_record, distinct_stages, encode, interrupted_run,
                      make_method, make_task, only_run, run_cli, run_steps, smoke_args, stages, train_stage)
@@ -109,7 +110,7 @@ def test_olora_smoke_run_and_resume(trace_dir, tmp_path, monkeypatch):
 
     broken = tmp_path / "broken"
     run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, broken, "--method", "olora"), at_stage=2)
-    assert results.load_checkpoint(run_dir)["method"] == {"n_pairs": 2}
+    assert checkpoint.load_checkpoint(run_dir)["method"] == {"n_pairs": 2}
     assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
     resumed = complete_record(run_dir)
     assert resumed["matrix"] == expected["matrix"]

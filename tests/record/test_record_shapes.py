@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from cl_bench.record import io as results
+from cl_bench.run import checkpoint
 from helpers import interrupted_run, make_trace, only_run, run_cli, smoke_args
 from shape_mutations import mutate
 
@@ -108,13 +109,13 @@ def test_random_edits_of_a_checkpoint_load_or_are_refused_in_one_line(valid_run,
     run_state (checked: mutation 4, a weight turned into {}, ends in
     load_state_dict's multi-line RuntimeError traceback)."""
     rng = random.Random(0)
-    path = valid_run / results.CHECKPOINT_DIR / "state.pt"
+    path = valid_run / checkpoint.CHECKPOINT_DIR / "state.pt"
     valid = torch.load(path, weights_only=True)
     codes = []
     for i in range(N_MUTATIONS):
         state, what = mutate(valid, rng)
         run_dir = _copy(valid_run, tmp_path, i)
-        torch.save(state, run_dir / results.CHECKPOINT_DIR / "state.pt")
+        torch.save(state, run_dir / checkpoint.CHECKPOINT_DIR / "state.pt")
         try:
             codes.append(_outcome(capsys, run_dir, _resume(run_dir), "state.pt"))
         except BaseException as exc:
@@ -131,13 +132,13 @@ def test_random_edits_of_an_in_stage_checkpoint_load_or_are_refused_in_one_line(
     as failed on a LayoutError (checked: mutation 0, a deleted weight, changes
     run.json)."""
     rng = random.Random(0)
-    path = in_stage_run / results.STEP_CHECKPOINT_DIR / "state.pt"
+    path = in_stage_run / checkpoint.STEP_CHECKPOINT_DIR / "state.pt"
     valid = torch.load(path, weights_only=True)
     codes = []
     for i in range(N_MUTATIONS // 2):
         state, what = mutate(valid, rng)
         run_dir = _copy(in_stage_run, tmp_path, i)
-        torch.save(state, run_dir / results.STEP_CHECKPOINT_DIR / "state.pt")
+        torch.save(state, run_dir / checkpoint.STEP_CHECKPOINT_DIR / "state.pt")
         try:
             codes.append(_outcome(capsys, run_dir, _resume(run_dir), "checkpoint-step/state.pt"))
         except BaseException as exc:
@@ -158,7 +159,7 @@ def _edit_record(key, value):
 
 def _edit_state(change):
     def edit(run_dir):
-        path = run_dir / results.CHECKPOINT_DIR / "state.pt"
+        path = run_dir / checkpoint.CHECKPOINT_DIR / "state.pt"
         torch.save(change(torch.load(path, weights_only=True)), path)
     return edit
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from cl_bench.record import io as results
+from cl_bench.run import checkpoint
 from helpers import interrupted_run, run_cli, smoke_args
 
 
@@ -350,7 +351,7 @@ def test_a_failing_stage_is_recorded_and_keeps_the_last_checkpoint(trace_dir, tm
     if saved:  # the last finished stage's checkpoint, whole
         assert torch.load(run_dir / "checkpoint" / "state.pt", weights_only=True)["stage"] == saved - 1
     else:
-        assert not results.has_checkpoint(run_dir)
+        assert not checkpoint.has_checkpoint(run_dir)
     monkeypatch.undo()
     assert run_cli("leaderboard", "--runs", out) == 2  # never ranked
     assert "no complete run" in _one_line(capsys)
@@ -372,14 +373,14 @@ def test_a_stop_while_a_complete_run_removes_its_checkpoints_leaves_it_complete(
     every stage done and the checkpoint half gone, it could then never be resumed
     nor ranked. Mutation caught: the guard in sequencer.execute dropped (exit 130,
     status interrupted)."""
-    real = results.remove_checkpoint
+    real = checkpoint.remove_checkpoint
 
     def cut(run_dir, name):
-        if name == results.CHECKPOINT_DIR:  # only the complete run's removal (a stage's end removes checkpoint-step/)
+        if name == checkpoint.CHECKPOINT_DIR:  # only the complete run's removal (a stage's end removes checkpoint-step/)
             raise KeyboardInterrupt
         real(run_dir, name)
 
-    monkeypatch.setattr(results, "remove_checkpoint", cut)
+    monkeypatch.setattr(checkpoint, "remove_checkpoint", cut)
     assert run_cli(*smoke_args(trace_dir, tmp_path / "runs", "--run-id", "r")) == 0
     record = json.loads((tmp_path / "runs" / "r" / "run.json").read_text())
     assert record["status"] == "complete" and "error" not in record
@@ -398,7 +399,7 @@ def test_resume_of_a_folder_without_its_stage_checkpoint_refuses_and_changes_not
     stage recorded (a stop between stage 1's record and its checkpoint looks the same)
     it still starts again and finishes (mutation caught: refusing from 1 stage)."""
     run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, tmp_path / "runs"), at_stage=2)
-    results.remove_checkpoint(run_dir, results.CHECKPOINT_DIR)
+    checkpoint.remove_checkpoint(run_dir, checkpoint.CHECKPOINT_DIR)
     before = _tree(run_dir)
     capsys.readouterr()
     assert run_cli("run", "--resume", run_dir, "--no-progress") == 2
@@ -407,7 +408,7 @@ def test_resume_of_a_folder_without_its_stage_checkpoint_refuses_and_changes_not
     assert _tree(run_dir) == before
 
     run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, tmp_path / "one"), at_stage=1)
-    results.remove_checkpoint(run_dir, results.CHECKPOINT_DIR)
+    checkpoint.remove_checkpoint(run_dir, checkpoint.CHECKPOINT_DIR)
     assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
     record = json.loads((run_dir / "run.json").read_text())
     assert record["status"] == "complete" and record["resumes"][-1]["at_stage"] == 0

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from cl_bench.record import io as results
+from cl_bench.run import checkpoint
 from helpers import run_cli, smoke_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,7 +98,7 @@ def test_sigkill_inside_a_stage_resumes_at_the_checkpoint_byte_for_byte(trace_di
     killed = _run([*args, *EVERY_STEP, "--run-id", "killed"], first, kill_at)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     stage, phase, step = kill_at
-    assert results.has_checkpoint(run_dir, results.STEP_CHECKPOINT_DIR)
+    assert checkpoint.has_checkpoint(run_dir, checkpoint.STEP_CHECKPOINT_DIR)
     assert json.loads((run_dir / results.RUN_FILE).read_text())["stages_done"] == stage
 
     resumed = _run(["run", "--resume", run_dir, "--no-progress"], second)

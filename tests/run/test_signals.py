@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from cl_bench.record import io as results
+from cl_bench.run import checkpoint
 from cl_bench.run import signals
 from helpers import assert_same_run, deepspeed_args, make_trace, only_run, run_cli, smoke_args
 
@@ -144,7 +145,7 @@ def _signal_in_stage_2(proc: subprocess.Popen, run_dir: Path, sig: int) -> tuple
     """Send `sig` to `proc` once stage 1 is saved (record and checkpoint); its exit
     code and output."""
     deadline = time.monotonic() + 300
-    while not results.has_checkpoint(run_dir):
+    while not checkpoint.has_checkpoint(run_dir):
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.05)

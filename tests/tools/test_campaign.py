@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from cl_bench.record import io as results
+from cl_bench.run import checkpoint
 from cl_bench.tools.campaign import code as pinning
 from cl_bench.tools.campaign import estimate
 from cl_bench.tools.campaign import launch
@@ -126,7 +127,7 @@ def test_a_run_folder_without_its_stage_checkpoint_is_shown_stuck_and_not_launch
     cut = out / "b" / "cut"
     record = json.loads((cut / "run.json").read_text())
     (cut / "run.json").write_text(json.dumps({**record, "stages_done": 2}))
-    results.remove_checkpoint(cut, results.CHECKPOINT_DIR)
+    checkpoint.remove_checkpoint(cut, checkpoint.CHECKPOINT_DIR)
     launched = []
     monkeypatch.setattr(launch, "run_local", lambda todo, *rest: launched.extend(e.run_dir for e, _, _ in todo) or 0)
     assert campaign(str(path), "--code", str(ROOT)) == 1  # the others launched; this one needs a hand
@@ -383,7 +384,7 @@ def _preempt_when_checkpointed(run_dir: Path, done: threading.Event) -> None:
     `cl-bench run` process."""
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and not done.is_set():
-        if results.has_checkpoint(run_dir, results.STEP_CHECKPOINT_DIR):
+        if checkpoint.has_checkpoint(run_dir, checkpoint.STEP_CHECKPOINT_DIR):
             for proc in Path("/proc").glob("[0-9]*"):
                 try:
                     argv = (proc / "cmdline").read_bytes().split(b"\0")

@@ -6,7 +6,7 @@ estimated hours.
   failed, or running when its machine went away) is continued with `cl-bench run
   --resume` (which loses at most the last checkpoint interval), unless its folder
   lacks the checkpoint of its finished stages (copied without the git-ignored
-  checkpoint folders: results.stranded), which is shown `stuck`, left out of the
+  checkpoint folders: run.resume.stranded), which is shown `stuck`, left out of the
   total and not launched, since `run --resume` refuses it (the campaign then exits
   1 once the others end); one whose folder's
   lock is held, or whose Slurm job is still queued or running, is left alone (a
@@ -34,12 +34,13 @@ from pathlib import Path
 
 import torch
 
-from cl_bench.record import io as results
 from cl_bench.tools.campaign import code as pinning
 from cl_bench.tools.campaign import estimate
 from cl_bench.tools.campaign import launch
-from cl_bench.tools.campaign.plan import (Entry, action, drift, is_running, is_tuning_plan, planned, read_plan, recorded,
+from cl_bench.tools.campaign.plan import (Entry, action, drift, is_tuning_plan, planned, read_plan, recorded,
                                    refuse_test_split)
+from cl_bench.record.io import is_running
+from cl_bench.run.resume import stranded
 from cl_bench.errors import UserError
 
 
@@ -87,7 +88,7 @@ def survey(plan: Path, entries: list[Entry], root: Path, args, native: bool):
             asked = ((record["config"]["train"]["precision"], record["config"]["eval"]["precision"]) if record
                      else (config.train.precision, config.eval.precision))
             busy = is_running(entry.folder(root)) or str(entry.run_dir) in queued
-            why = None if busy or record is None else results.stranded(entry.folder(root), record.get("stages_done", 0))
+            why = None if busy or record is None else stranded(entry.folder(root), record.get("stages_done", 0))
             if why:
                 print(f"{plan}:{entry.line}: {why}", file=sys.stderr, flush=True)
             if args.code:

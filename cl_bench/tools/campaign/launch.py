@@ -23,7 +23,8 @@ from typing import Any
 import yaml
 
 from cl_bench.record import io as results
-from cl_bench.tools.campaign.plan import Entry, is_running
+from cl_bench.record.io import is_running
+from cl_bench.tools.campaign.plan import Entry
 from cl_bench.errors import UserError
 
 POLL_S = 2.0

@@ -8,7 +8,6 @@ starting. Paths are relative to the repository root.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import shlex
 from dataclasses import dataclass
@@ -92,20 +91,6 @@ def action(record: dict | None) -> str:
     if record is None:  # a folder holding only a lock counts as empty: `run` starts in it
         return "start"
     return "done" if record.get("status") == "complete" else "resume"
-
-
-def is_running(folder: Path) -> bool:
-    """Whether a process holds the run folder's lock (results.lock_run) now."""
-    path = folder / results.LOCK_FILE
-    if not path.is_file():
-        return False
-    with open(path, "a") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return True
-        fcntl.flock(fh, fcntl.LOCK_UN)
-    return False
 
 
 def planned(entry: Entry):
