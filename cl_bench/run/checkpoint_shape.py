@@ -1,4 +1,4 @@
-"""The layout of a loaded checkpoint (results.load_checkpoint: tensors and plain
+"""The layout of a loaded checkpoint (checkpoint.load_checkpoint: tensors and plain
 values only), checked while cl_bench/run/checkpoint.py applies it to a run: the fields
 cl-bench writes, of their types and lengths, weights and optimiser moments of the
 model's shapes. A file of plain values in another layout fails with one line

@@ -124,26 +124,22 @@ def _prepare_locked(config, resuming, run_dir, method_cls, method_args, data_dir
     if record is not None:
         _check_same_stages(record, stages, run_dir / results.RUN_FILE)
 
-    kept: list[dict] = []  # a restart: the zero-shot row's predictions it keeps
+    recorded = record  # --resume: the record as read under the lock
     if record is None or restart:
         backend.on_main(lambda: run_dir.mkdir(parents=True, exist_ok=True))
         first = (command if record.command is None else record.command) if restart else command
-        old, record = record, new_record(config, method, method_args, loaded.info, tasks, stages, first, backend)
-        if restart:
-            kept = resume.keep_zero_shot(old, record, run_dir)
+        record = new_record(config, method, method_args, loaded.info, tasks, stages, first, backend)
     run = Run(config, run_dir, method, tasks, stages, encoder, backend, record, replay, sources,
-              predictions=kept, progress=progress and backend.is_main)
+              progress=progress and backend.is_main)
     if config.eval.cka_probe:
         run.probe = RepresentationProbe(config.eval.cka_probe, config.eval.cka_probe_tokens)
     if config.eval.routing_probe:
         run.routing = RoutingProbe(config.eval.routing_probe)
     run.lima = lima
-    if resuming is not None and not restart:
-        resume.restore(run, command)
-    else:  # validation, data, model load and method set-up, before the first evaluation
+    if resuming is None or restart:  # validation, data, model load and method set-up, before the first evaluation
         record.timing.prepare_s = round(time.perf_counter() - t_start, 2)
-    if restart:
-        resume.start_again(run, command)
+    if resuming is not None:
+        resume.take_up(run, recorded, restart, command)
     backend.barrier()  # every rank has read what rank 0 is about to rewrite
     return run
 

@@ -118,6 +118,17 @@ def under_lock(resuming: Resuming) -> tuple[RunRecord, bool]:
     return record, not checkpoint.has_checkpoint(resuming.run_dir)
 
 
+def take_up(run: Run, recorded: RunRecord, restart: bool, command: str) -> None:
+    """Continue the prepared `run` where its folder says (`command`: the resume's):
+    after the last stage checkpoint (restore), or with none, from stage 1 with the
+    zero-shot scores of `recorded` it keeps (`restart`: run.record is a fresh one)."""
+    if restart:
+        run.predictions = keep_zero_shot(recorded, run.record, run.run_dir)
+        start_again(run, command)
+    else:
+        restore(run, command)
+
+
 def keep_zero_shot(old: RunRecord, new: RunRecord, run_dir: Path) -> list[dict]:
     """A restart (no stage checkpoint yet): the zero-shot scores of `old`, the record
     read, go into `new`, the fresh one, if the model is the same (its sha256 among

@@ -57,7 +57,7 @@ def test_each_new_group_starts_as_the_pretrained_dense_slices():
 
 def test_old_groups_stay_frozen_in_later_stages_and_after_a_resume():
     """In task t only group t (experts and router rows) moves; a method resumed from
-    the state after task 1 (as run_state.restore: load_state_dict, the weights, an
+    the state after task 1 (as resume.restore: load_state_dict, the weights, an
     optimiser over the saved parameter groups) trains as much, and only group 2, in
     task 2. Mutation caught: train_newest_group dropped from before_task and
     load_state_dict."""

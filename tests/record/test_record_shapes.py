@@ -106,7 +106,7 @@ def test_random_edits_of_a_record_load_or_are_refused_in_one_line(valid_run, tmp
 @pytest.mark.slow
 def test_random_edits_of_a_checkpoint_load_or_are_refused_in_one_line(valid_run, tmp_path, capsys):
     """Mutation caught: the weights' check (Loaded.check_weights) dropped from
-    run_state (checked: mutation 4, a weight turned into {}, ends in
+    checkpoint (checked: mutation 4, a weight turned into {}, ends in
     load_state_dict's multi-line RuntimeError traceback)."""
     rng = random.Random(0)
     path = valid_run / checkpoint.CHECKPOINT_DIR / "state.pt"
@@ -127,7 +127,7 @@ def test_random_edits_of_a_checkpoint_load_or_are_refused_in_one_line(valid_run,
 def test_random_edits_of_an_in_stage_checkpoint_load_or_are_refused_in_one_line(in_stage_run, tmp_path, capsys):
     """checkpoint-step/ (train.checkpoint_every_s), whose weights are applied inside
     the stage, after its hooks. Mutations caught: the field checks of
-    run_state.load_in_stage dropped (checked: mutation 1, global_step turned into a
+    resume.load_in_stage dropped (checked: mutation 1, global_step turned into a
     string, ends in a TypeError traceback); sequencer.execute writing the record
     as failed on a LayoutError (checked: mutation 0, a deleted weight, changes
     run.json)."""

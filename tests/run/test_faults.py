@@ -395,7 +395,7 @@ def test_resume_of_a_folder_without_its_stage_checkpoint_refuses_and_changes_not
     """checkpoint*/ is git-ignored, so a run folder copied by git (a clone, the next
     machine) arrives without it. With 2 stages recorded, --resume refuses in one line
     and the folder stays as it was; it used to start again from stage 1 over the
-    recorded stages (mutation caught: the check in prepare.resumable dropped). With 1
+    recorded stages (mutation caught: the check in resume.resumable dropped). With 1
     stage recorded (a stop between stage 1's record and its checkpoint looks the same)
     it still starts again and finishes (mutation caught: refusing from 1 stage)."""
     run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, tmp_path / "runs"), at_stage=2)

@@ -1,5 +1,5 @@
 """The zero-shot row is checkpointed task by task (sequencer._zero_shot_row,
-run_state.keep_zero_shot): a stop inside it keeps the tasks scored, `--resume`
+resume.keep_zero_shot): a stop inside it keeps the tasks scored, `--resume`
 scores only the rest, and the run ends byte for byte as its uninterrupted twin
 (predictions, metrics, matrix, zero-shot row, summary, intervals)."""
 from __future__ import annotations
@@ -73,7 +73,7 @@ _KILLED_RUN = textwrap.dedent("""
 @pytest.mark.slow
 def test_sigkill_inside_the_zero_shot_row_keeps_what_was_scored(trace_dir, tmp_path, monkeypatch, twin):
     """Mutations caught: the record not written after each zero-shot task (nothing
-    kept: zero_shot is null after the kill); run_state.keep_zero_shot dropped (the
+    kept: zero_shot is null after the kill); resume.keep_zero_shot dropped (the
     resumed run scores NumGLUE-cm's zero-shot again)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "KILL_AT": "2",  # NumGLUE-cm and Py150 scored
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
