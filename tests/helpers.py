@@ -213,6 +213,12 @@ def record(run_dir: Path) -> dict:
     return json.loads((run_dir / "run.json").read_text())
 
 
+def flat_params(record: dict) -> list[dict]:
+    """The record's parameter rows with the method's own keys beside the counts, whether
+    a row holds them flat or under "diagnostics" (the record's schema versions)."""
+    return [{**p, **p.get("diagnostics", {})} for p in record["params"]]
+
+
 def metric(run_dir: Path, key: str, stage: int | None = None) -> list[float]:
     return [r[key] for r in results.read_jsonl(run_dir / "metrics.jsonl")
             if stage is None or r["stage"] == stage]

@@ -22,7 +22,8 @@ from cl_bench.methods.bilevel_cka.search import LayerFeatures
 from cl_bench.models import moe
 from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import params_command
-from helpers import answer_ce, final_weights, interrupted_run, make_method, only_run, random_batch, run_cli, smoke_args
+from helpers import (answer_ce, final_weights, flat_params, interrupted_run, make_method, only_run, random_batch,
+                     run_cli, smoke_args)
 
 D, K, h = 64, 8, 16
 PER_EXPERT = 3 * h * D + D + 1  # gate, up, down + router row and bias
@@ -642,12 +643,6 @@ def test_params_command_reports_the_upper_bound_on_llama_3_2_1b():
     assert [r["experts_per_layer"] for r in rows] == [[8 * (t + 1)] * 16 for t in range(6)]
     assert all(r["bound"].startswith("upper") for r in rows)
     assert rows[1]["trainable"] == upcycle[1]["trainable"]  # clones + rows = one group + rows
-
-
-def flat_params(record: dict) -> list[dict]:
-    """The record's parameter rows with the method's own keys beside the counts, whether
-    a row holds them flat or under "diagnostics" (the record's schema versions)."""
-    return [{**p, **p.get("diagnostics", {})} for p in record["params"]]
 
 
 # ---- end to end ---------------------------------------------------------------------

@@ -25,8 +25,8 @@ from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import schedule_report
 from cl_bench.models.prompt_pool import (DECODE, POOL, PromptPool, first_tokens, masked_mean, prompt_mask,
                                          prompt_tokens)
-from helpers import (assert_decodes_as_the_plain_loop, encode, interrupted_run, make_method, only_run, run_cli,
-                     smoke_args)
+from helpers import (assert_decodes_as_the_plain_loop, encode, flat_params, interrupted_run, make_method, only_run,
+                     run_cli, run_steps, smoke_args)
 
 D, G = 64, 8
 
@@ -75,18 +75,13 @@ def grow(method, n: int) -> None:
 
 
 def train(method, st: Stage, steps: int, optimizer=None):
-    """`steps` optimiser steps as the backend takes them, on the stage's training batch."""
-    optimizer = method.optimizer_for_stage(st, optimizer)
-    b = batch_of(method, st.tasks[0])
+    """`steps` optimiser steps as the backend takes them, on the stage's training batch;
+    the optimiser and the last step's loss parts."""
     method.model.train()
-    for step in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        loss, parts = method.loss(b, step)
-        loss.backward()
-        method.before_step(step)
-        optimizer.step()
-        method.after_step(step)
-    return optimizer, parts
+    last: dict = {}
+    optimizer = run_steps(method, st, batch_of(method, st.tasks[0]), steps, optimizer,
+                          on_step=lambda step, loss, parts: last.update(parts))
+    return optimizer, last
 
 
 def snapshot(module) -> dict[str, torch.Tensor]:
@@ -528,12 +523,6 @@ def test_params_schedule_adds_one_triplet_per_task():
     d = 2048
     one = (d + d * 16 + 16 + 16 * d + d + d) + 2 * d + 2 + (d + d * G + G)
     assert big[1]["total"] - big[0]["total"] == 16 * one
-
-
-def flat_params(record: dict) -> list[dict]:
-    """The record's parameter rows with the method's own keys beside the counts, whether
-    a row holds them flat or under "diagnostics" (the record's schema versions)."""
-    return [{**p, **p.get("diagnostics", {})} for p in record["params"]]
 
 
 # ---- end to end ---------------------------------------------------------------------

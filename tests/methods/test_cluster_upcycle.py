@@ -27,7 +27,7 @@ from cl_bench.methods.cluster_upcycle.whiten import energy_rank, spherical_kmean
 from cl_bench.models import moe
 from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import schedule_report
-from helpers import (SMOKE_TASKS, batch_of, interrupted_run, make_method, only_run, run_cli, smoke_args,
+from helpers import (SMOKE_TASKS, batch_of, flat_params, interrupted_run, make_method, only_run, run_cli, smoke_args,
                      trace_example)
 
 D, K, h = 64, 8, 16
@@ -554,8 +554,3 @@ def test_smoke_run_and_resume(trace_dir, tmp_path, monkeypatch):
     assert resumed["matrix"] == record["matrix"] and resumed["params"] == record["params"]
     assert results.read_jsonl(run_dir / "metrics.jsonl") == rows
 
-
-def flat_params(record: dict) -> list[dict]:
-    """The record's parameter rows with the method's own keys beside the counts, whether
-    a row holds them flat or under "diagnostics" (the record's schema versions)."""
-    return [{**p, **p.get("diagnostics", {})} for p in record["params"]]

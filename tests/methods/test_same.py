@@ -26,8 +26,8 @@ from cl_bench.methods.same import SAMEArgs, activation_schedule, activation_scor
 from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import schedule_report
 from cl_bench.methods.same.subspace import Subspace, damped_inverse, energy_rank, spectral_projection, top_subspace
-from helpers import (assert_decodes_as_the_plain_loop, interrupted_run, make_method, only_run, random_batch, run_cli,
-                     smoke_args)
+from helpers import (assert_decodes_as_the_plain_loop, flat_params, interrupted_run, make_method, only_run,
+                     random_batch, run_cli, smoke_args)
 
 E = 3
 SIZE = 2 * (3 * E * 8 * (64 + 128) + E * (64 + 64 + 128))  # 29184
@@ -541,12 +541,6 @@ def test_stage_record_logs_ranks_spectrum_and_masks():
     rec = method.param_report()
     assert rec["curvature_rank"]["x"] == ranks and all(k > 0 for k in ranks)
     json.dumps(rec)  # lands in run.json
-
-
-def flat_params(record: dict) -> list[dict]:
-    """The record's parameter rows with the method's own keys beside the counts, whether
-    a row holds them flat or under "diagnostics" (the record's schema versions)."""
-    return [{**p, **p.get("diagnostics", {})} for p in record["params"]]
 
 
 # ---- end to end ---------------------------------------------------------------------------------
