@@ -25,7 +25,7 @@ from torch import nn
 
 from cl_bench.config_fields import ReplayConfig, RunConfig, field_hint
 from cl_bench.config_values import coerce
-from cl_bench.data.encode import Encoder
+from cl_bench.data.encode import Encoder, epoch_members, phase_steps
 from cl_bench.errors import UserError, did_you_mean
 
 
@@ -95,9 +95,8 @@ class MethodContext:
         if not stage.tasks:
             return None
         t = self.config.train
-        epochs = [t.epochs_for(task.name) for task in stage.tasks]
-        return sum(-(-sum(len(task.train) for task, n in zip(stage.tasks, epochs) if e < n) // t.batch_size)
-                   for e in range(max(epochs)))
+        members = epoch_members([t.epochs_for(task.name) for task in stage.tasks])
+        return phase_steps((sum(len(stage.tasks[i].train) for i in tasks) for tasks in members), t.batch_size)
 
 
 class Method:

@@ -85,3 +85,24 @@ def test_a_changed_trainable_set_gets_a_new_optimiser_carrying_the_kept_paramete
     step(twin, ref0)  # the frozen layer has no gradient: AdamW leaves it
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q)
+
+
+def test_stage_steps_count_the_steps_the_sequencer_batches():
+    """What a method plans with (MethodContext.stage_steps) is the number of steps
+    the sequencer makes of a multi-task stage: each epoch's rows batched together
+    (a: 5 rows for 3 epochs, b: 3 rows for 1, batch 2: 4 + 3 + 3 steps), not each
+    task's steps summed (3 x 3 + 2)."""
+    from types import SimpleNamespace
+
+    from cl_bench.config import TrainConfig
+    from cl_bench.data.encode import Encoder, steps
+    from cl_bench.models.loading import byte_tokenizer
+    from cl_bench.run.sequencer import _epochs
+
+    example = SimpleNamespace(prompt="p", answer="a")
+    tasks = [SimpleNamespace(name="a", train=[example] * 5), SimpleNamespace(name="b", train=[example] * 3)]
+    config = RunConfig(train=TrainConfig(batch_size=2, micro_batch_size=1, epochs=1, epochs_per_task={"a": 3}))
+    stage = Stage(0, tasks, "a+b")
+    run = SimpleNamespace(config=config, encoder=Encoder(byte_tokenizer(), 8, 4, "head_tail", 2), cache_dir=None)
+    made = sum(len(list(steps(rows, list(range(len(rows))), 2, 1, 0))) for rows in _epochs(run, stage))
+    assert MethodContext(config, torch.device("cpu"), None).stage_steps(stage) == made == 10

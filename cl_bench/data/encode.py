@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
@@ -121,6 +121,18 @@ def epoch_order(n: int, seed: int, stage: str, epoch: int) -> list[int]:
     order = list(range(n))
     random.Random(f"{seed}/{stage}/{epoch}").shuffle(order)
     return order
+
+
+def epoch_members(n_epochs: list[int]) -> list[list[int]]:
+    """Which tasks each epoch of a stage holds: task i, trained for n_epochs[i]
+    epochs, is in epoch e while e < n_epochs[i] (the longest sets the epoch count)."""
+    return [[i for i, n in enumerate(n_epochs) if e < n] for e in range(max(n_epochs, default=0))]
+
+
+def phase_steps(epoch_sizes: Iterable[int], batch_size: int) -> int:
+    """Optimiser steps of a phase whose epoch e has epoch_sizes[e] rows, as `steps`
+    batches them (each epoch's last step may be short): sum_e ceil(n_e / batch_size)."""
+    return sum(-(-n // batch_size) for n in epoch_sizes)
 
 
 def steps(rows, order: list[int], batch_size: int, micro_batch_size: int,

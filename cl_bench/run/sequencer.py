@@ -30,7 +30,7 @@ from cl_bench.run import checkpoint
 from cl_bench.run import resume
 from cl_bench.run import signals
 from cl_bench.eval.probes.sharpness import expert_sharpness
-from cl_bench.data.encode import collate, tokenize_train
+from cl_bench.data.encode import collate, epoch_members, phase_steps, tokenize_train
 from cl_bench.errors import UserError
 from cl_bench.eval.evaluation import evaluate_task, max_new_tokens
 from cl_bench.eval.general.lima import ZERO_SHOT as LIMA_ZERO_SHOT
@@ -242,7 +242,7 @@ def _train_phase(run: Run, stage: Stage, index: int, phase: Phase, desc: str, lo
         else:
             replay_rows = rows  # interleaved by the backend, one micro-batch a step
     t = run.config.train
-    n_steps = sum(-(-len(rows) // t.batch_size) for rows in epochs)
+    n_steps = phase_steps(map(len, epochs), t.batch_size)
     extra = {"phase": phase.name} if tag else {}
     start = n_steps if start is None else start
     if start > n_steps:
@@ -277,11 +277,10 @@ def _train_phase(run: Run, stage: Stage, index: int, phase: Phase, desc: str, lo
 
 
 def _epochs(run: Run, stage: Stage) -> list[list[dict]]:
-    """Rows of each epoch: a task joins epoch e while e < its epoch count."""
-    per_task = [(run.config.train.epochs_for(t.name),
-                 list(tokenize_train(run.encoder, t.train, run.cache_dir))) for t in stage.tasks]
-    n_epochs = max(n for n, _ in per_task)
-    return [[row for n, rows in per_task if e < n for row in rows] for e in range(n_epochs)]
+    """Rows of each epoch: a task joins epoch e while e < its epoch count (epoch_members)."""
+    rows = [list(tokenize_train(run.encoder, t.train, run.cache_dir)) for t in stage.tasks]
+    members = epoch_members([run.config.train.epochs_for(t.name) for t in stage.tasks])
+    return [[row for i in tasks for row in rows[i]] for tasks in members]
 
 
 def _evaluate(run: Run, stage_label: str, indices: list[int], model, stop: signals.Stop,

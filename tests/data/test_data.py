@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from cl_bench.data.encode import IGNORE, Encoder, collate, epoch_order, steps
+from cl_bench.data.encode import IGNORE, Encoder, collate, epoch_members, epoch_order, phase_steps, steps
 from cl_bench.models.loading import byte_tokenizer
 
 TOK = byte_tokenizer()
@@ -60,6 +60,22 @@ def test_epoch_order_depends_only_on_seed_stage_epoch():
     assert epoch_order(50, 1, "FOMC", 3) != epoch_order(50, 1, "FOMC", 4)
     assert epoch_order(50, 1, "FOMC", 3) != epoch_order(50, 2, "FOMC", 3)
     assert sorted(epoch_order(50, 1, "FOMC", 3)) == list(range(50))
+
+
+def test_phase_steps_count_the_steps_batching_makes():
+    """phase_steps is the number of Steps `steps` yields over the epochs: each
+    epoch's last step may be short (5 rows at batch 2: 3 steps), an empty epoch
+    takes none."""
+    rows = [enc().train_example("p", "a")] * 5
+    sizes = [5, 4, 0, 1]
+    made = sum(len(list(steps(rows[:n], list(range(n)), 2, 1, 0))) for n in sizes)
+    assert phase_steps(sizes, 2) == made == 3 + 2 + 0 + 1
+    assert phase_steps(iter(sizes), 4) == 2 + 1 + 0 + 1 and phase_steps([], 2) == 0
+
+
+def test_epoch_members_keep_a_task_while_its_epochs_last():
+    assert epoch_members([2, 1, 3]) == [[0, 1, 2], [0, 2], [2]]
+    assert epoch_members([1]) == [[0]] and epoch_members([]) == []
 
 
 def test_step_gradient_does_not_depend_on_micro_batching():

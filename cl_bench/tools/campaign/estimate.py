@@ -150,6 +150,7 @@ class Work:
 def planned_work(config, method_args) -> Work:
     """What `config` trains and scores, from the data it would load (no model)."""
     from cl_bench.benchmarks.trace import load_benchmark, resolve_data_dir
+    from cl_bench.data.encode import phase_steps
     from cl_bench.eval.evaluation import max_new_tokens
     from cl_bench.method import MethodContext
 
@@ -173,10 +174,11 @@ def planned_work(config, method_args) -> Work:
     for stage in stages:
         n_phases = len(method.phases(stage))
         t = config.train
-        per_task = {}
-        for task in stage.tasks:
-            per_task[task.name] = n_phases * t.epochs_for(task.name) * -(-len(task.train) // t.batch_size)
-        steps.append(per_task)
+        # Each task's steps as if it were trained alone, so each is priced at its own
+        # task's rate; in a multi-task stage the sequencer batches the tasks' rows
+        # together (MethodContext.stage_steps), at most one step per task per epoch fewer.
+        steps.append({task.name: n_phases * phase_steps([len(task.train)] * t.epochs_for(task.name), t.batch_size)
+                      for task in stage.tasks})
         trained = sorted({tasks.index(x) for s in stages[:stage.index + 1] for x in s.tasks})
         own = sorted(tasks.index(x) for x in stage.tasks)
         scored = set(range(len(tasks)) if ev.eval_all else own if cls.eval_scope == "stage" else trained)

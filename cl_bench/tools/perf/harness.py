@@ -30,7 +30,7 @@ from cl_bench.backends.torch_backend import TorchBackend
 from cl_bench.benchmarks.trace import load_task, resolve_data_dir, resolve_order
 from cl_bench.eval.evaluation import evaluate_task
 from cl_bench.config import build
-from cl_bench.data.encode import IGNORE, Encoder, epoch_order, steps, tokenize_train
+from cl_bench.data.encode import IGNORE, Encoder, epoch_order, phase_steps, steps, tokenize_train
 from cl_bench.errors import UserError
 from cl_bench.eval.generation import greedy_generate
 from cl_bench.method import MethodContext, Stage
@@ -169,7 +169,7 @@ def deepspeed(args) -> dict:
                 out[name].setdefault(key, []).append(value)
     median = {n: {k: statistics.median(v) for k, v in runs.items()} for n, runs in out.items()}
     return {"what": "deepspeed", "model": args.model, "method": args.method, "task": tasks[0].name, "examples": len(rows),
-            "steps": -(-len(rows) // config.train.batch_size), "batch_size": config.train.batch_size,
+            "steps": phase_steps([len(rows)], config.train.batch_size), "batch_size": config.train.batch_size,
             "micro_batch_size": config.train.micro_batch_size, "zero": 2, "world_size": 1,
             "bf16": ds.bf16, "device": str(ds.device), "runs": out, "median": median,
             "step_ratio": median["deepspeed"]["step_s"] / median["torch"]["step_s"],
