@@ -1,6 +1,7 @@
 """Training backends behind one interface: `train_stage(method, optimizer, stage, epochs,
-pad_id, on_step, replay_rows) -> replay examples used`, plus what base.Backend adds
-(rank, writes on rank 0 only, sharded generation).
+pad_id, on_step, replay_rows, start_step) -> replay examples used`, each running the one
+loop of loop.py, plus what base.Backend adds (rank, writes on rank 0 only, sharded
+generation).
 
 torch: one process (torch_backend.py). deepspeed: ZeRO-2/3 over N ranks
 (deepspeed_backend.py); `import deepspeed` happens only when it is chosen.

@@ -13,7 +13,6 @@ from cl_bench.config import RunConfig
 from cl_bench.errors import UserError
 from cl_bench.eval.generation import greedy_generate
 from cl_bench.run import precision
-from cl_bench.data.replay import sample_rows
 from cl_bench.eval.vllm_generation import vllm_generator
 
 T = TypeVar("T")
@@ -63,16 +62,6 @@ class Backend:
         return {"name": self.name, "world_size": self.world_size,
                 "precision": {"train": self.train_precision, "eval": self.eval_precision},
                 "generator": self.config.eval.generator}
-
-
-def replay_key(seed: int, stage, epoch: int, step: int) -> str:
-    """The key of a step's replay draw (cl_bench.data.replay.sample_rows): one per step."""
-    return f"{seed}/{stage.label}/{epoch}/{step}"
-
-
-def skipped_replay(replay_rows: list[dict] | None, n: int, seed: int, stage, epoch: int, step: int) -> int:
-    """Replay examples a step passed over on resume had used (its draw, not computed)."""
-    return len(sample_rows(replay_rows, n, replay_key(seed, stage, epoch, step))) if replay_rows else 0
 
 
 def check_support(method_cls, config: RunConfig) -> None:

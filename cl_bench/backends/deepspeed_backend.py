@@ -30,7 +30,6 @@ import random
 import socket
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -38,15 +37,13 @@ from typing import Any, Callable
 import torch
 import yaml
 
-from cl_bench.backends.base import Backend, replay_key, skipped_replay
-from cl_bench.backends.torch_backend import StepCallback
+from cl_bench.backends.base import Backend
+from cl_bench.backends.loop import Job, StepCallback, run_phase
 from cl_bench.backends.zero_engine import ZeroPhase
 from cl_bench.config import RunConfig
-from cl_bench.data.encode import IGNORE, collate, epoch_order, steps
 from cl_bench.errors import UserError
 from cl_bench.eval.generation import greedy_generate
 from cl_bench.method import Method, Stage
-from cl_bench.data.replay import sample_rows
 
 log = logging.getLogger(__name__)
 
@@ -137,17 +134,6 @@ def ds_config(config: RunConfig, world_size: int, bf16: bool) -> dict[str, Any]:
         bf16 = bool(file_bf16)
     return {"steps_per_print": 2 ** 31, **base, **owned, "zero_optimization": {**zero, "stage": d.zero},
             "bf16": {**base.get("bf16", {}), "enabled": bf16}}
-
-
-@dataclass
-class _Job:
-    """One micro-batch of an optimiser step: its loss hook and weight; parts it logs
-    go under `prefix` (None: a padding copy that logs nothing)."""
-
-    micro: dict[str, torch.Tensor]
-    weight: float  # share of the step's answer tokens (1 for the replay micro-batch)
-    hook: Callable
-    prefix: str | None
 
 
 class DeepSpeedBackend(Backend):
@@ -249,66 +235,49 @@ class DeepSpeedBackend(Backend):
                     epochs: list[list[dict]], pad_id: int,
                     on_step: StepCallback | None = None,
                     replay_rows: list[dict] | None = None, start_step: int = 0) -> int:
-        """As TorchBackend.train_stage, on one engine built for this phase."""
+        """As TorchBackend.train_stage (cl_bench/backends/loop.py), on one engine built
+        for this phase."""
         if not any(len(rows) for rows in epochs):
             return 0
-        t = self.config.train
+        clip = self.config.train.grad_clip
         method.model.train()
         phase = ZeroPhase(self.ds, method.model, optimizer, method.make_optimizer, self.ds_config,
                           self.config.deepspeed.zero, self.bf16)
         engine = phase.engine
+
+        def backward(jobs: list[Job], step: int, key: str) -> dict[str, float]:
+            parts: dict[str, float] = {}
+            mine = self._share(jobs)
+            for i, (j, job) in enumerate(mine):
+                engine.set_gradient_accumulation_boundary(i == len(mine) - 1)
+                micro = {k: v.to(self.device) for k, v in job.micro.items()}
+                with self._seeded(f"{key}/{j}"):
+                    loss, named = engine(job.hook, micro, step)
+                # the engine averages over ranks: the weights add up to 1 over all of them
+                engine.backward(loss * (job.weight * self.world_size), scale_wrt_gas=False)
+                job.log(parts, named)
+            return self._sum_parts(parts)
+
+        def update(parts: dict[str, float]) -> None:
+            phase.sync_hyperparameters()
+            engine.step()
+            if clip > 0:
+                parts["grad_norm"] = float(engine.get_global_grad_norm())
+
         try:
-            step = replayed = 0
-            for epoch, rows in enumerate(epochs):
-                order = epoch_order(len(rows), self.config.seed, stage.label, epoch)
-                for batch in steps(rows, order, t.batch_size, t.micro_batch_size, pad_id):
-                    if step < start_step:
-                        replayed += skipped_replay(replay_rows, t.micro_batch_size, self.config.seed, stage,
-                                                   epoch, step)
-                        step += 1
-                        continue
-                    jobs = [_Job(m, int((m["labels"] != IGNORE).sum()) / max(batch.n_tokens, 1), method.loss, "")
-                            for m in batch.micro_batches]
-                    if replay_rows:
-                        rows_r = sample_rows(replay_rows, t.micro_batch_size,
-                                             replay_key(self.config.seed, stage, epoch, step))
-                        jobs.append(_Job(collate(rows_r, pad_id), 1.0, method.replay_loss, "replay_"))
-                        replayed += len(rows_r)
-                    parts: dict[str, float] = {}
-                    mine = self._share(jobs)
-                    for i, (j, job) in enumerate(mine):
-                        engine.set_gradient_accumulation_boundary(i == len(mine) - 1)
-                        micro = {k: v.to(self.device) for k, v in job.micro.items()}
-                        with self._seeded(f"{self.config.seed}/{stage.label}/{epoch}/{step}/{j}"):
-                            loss, named = engine(job.hook, micro, step)
-                        # the engine averages over ranks: the weights add up to 1 over all of them
-                        engine.backward(loss * (job.weight * self.world_size), scale_wrt_gas=False)
-                        if job.prefix == "":
-                            for key, value in named.items():
-                                parts[key] = parts.get(key, 0.0) + value * job.weight
-                        elif job.prefix:
-                            parts.update({job.prefix + k: v for k, v in named.items()})
-                    parts = self._sum_parts(parts)
-                    method.before_step(step)
-                    phase.sync_hyperparameters()
-                    engine.step()
-                    if t.grad_clip > 0:
-                        parts["grad_norm"] = float(engine.get_global_grad_norm())
-                    method.after_step(step)
-                    if on_step is not None:
-                        on_step(step, parts)
-                    step += 1
+            replayed = run_phase(method, stage, epochs, pad_id, self.config, backward, update, on_step,
+                                 replay_rows, start_step)
         except BaseException:  # the process may go on (an interrupted run saving, a test): torch's F.linear back
             phase.restore_linear()
             raise
         phase.close()
         return replayed
 
-    def _share(self, jobs: list[_Job]) -> list[tuple[int, _Job]]:
+    def _share(self, jobs: list[Job]) -> list[tuple[int, Job]]:
         """This rank's (index, job) pairs: jobs r, r + N, ... of the step, padded with
         weight-0 copies of the first so that every rank runs as many backward passes."""
         n = -(-len(jobs) // self.world_size)
-        idle = _Job(jobs[0].micro, 0.0, jobs[0].hook, None)
+        idle = Job(jobs[0].micro, 0.0, jobs[0].hook, None)
         return [(j, jobs[j] if j < len(jobs) else idle)
                 for j in range(self.rank, n * self.world_size, self.world_size)]
 
