@@ -4,9 +4,16 @@ run's record exists says how to start it again, and that command works."""
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 from cl_bench.tools.campaign import estimate
 from helpers import only_run, run_cli, smoke_args
+
+
+def test_the_estimate_reads_the_checkouts_committed_records():
+    """Mutation caught: RECORDS one folder short (cl_bench/results, after the move into tools/)."""
+    root = Path(__file__).resolve().parents[2]
+    assert estimate.RECORDS == root / "results" and estimate.RECORDS.is_dir()
 
 
 def _first_lines(capsys) -> list[str]:

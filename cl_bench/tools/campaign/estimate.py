@@ -190,7 +190,7 @@ def planned_work(config, method_args) -> Work:
     return Work(steps, budget, zero, shape(config.to_dict(), trained_in))
 
 
-RECORDS = Path(__file__).resolve().parents[2] / "results"  # the committed records, in a checkout
+RECORDS = Path(__file__).resolve().parents[3] / "results"  # the committed records, in a checkout
 
 
 def for_run(config, method_args, stages_done: int = 0, zero_shot_done: bool = False,
