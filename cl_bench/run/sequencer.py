@@ -6,9 +6,10 @@ the run record, the predictions and a checkpoint are written
 (cl_bench/run/checkpoint.py), so an interrupted run loses at most the stage in
 progress and `--resume` continues at the next one; with train.checkpoint_every_s,
 checkpoints are also written inside a stage, at step boundaries, and `--resume`
-continues at the step after the last one. The zero-shot row is written after
-each task it scores: a stop there keeps the tasks scored, and `--resume` scores
-the rest.
+continues at the step after the last one (which stage and step:
+cl_bench/run/resume.py; the backend is told only the step to start from). The
+zero-shot row is written after each task it scores: a stop there keeps the tasks
+scored, and `--resume` scores the rest.
 
 With several ranks (the deepspeed backend) every rank runs this same loop on the
 same data; only rank 0 writes files, logs and shows progress, and the backend
