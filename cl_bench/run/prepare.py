@@ -126,7 +126,6 @@ def _prepare_locked(config, resuming, run_dir, method_cls, method_args, data_dir
 
     recorded = record  # --resume: the record as read under the lock
     if record is None or restart:
-        backend.on_main(lambda: run_dir.mkdir(parents=True, exist_ok=True))
         first = (command if record.command is None else record.command) if restart else command
         record = new_record(config, method, method_args, loaded.info, tasks, stages, first, backend)
     run = Run(config, run_dir, method, tasks, stages, encoder, backend, record, replay, sources,
