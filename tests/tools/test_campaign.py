@@ -1,13 +1,11 @@
 """`cl-bench campaign` (cl_bench/tools/campaign/): a plan's runs skipped when complete,
 resumed when interrupted, left alone while running, started otherwise, each from a
 clone of its commit; auto precision refused on a CPU without bf16; a bad plan is
-one line; each run's state and hours, and the total; the Slurm launcher through
-submitit's local executor (real job processes, a real time limit, a real requeue)."""
+one line; each run's state and hours, and the total (the Slurm launcher:
+test_campaign_slurm.py)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -23,40 +21,7 @@ from cl_bench.tools.campaign import estimate
 from cl_bench.tools.campaign import launch
 from cl_bench.tools.campaign.plan import Entry, read_plan, recorded
 from cl_bench.errors import UserError
-from helpers import interrupted_run, run_cli, smoke_args
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def plan(trace_dir, tmp_path, monkeypatch):
-    """A plan of three smoke runs: one complete, one interrupted in stage 1, one new."""
-    out = tmp_path / "out"
-    assert run_cli(*smoke_args(trace_dir, out / "a", "--method", "seqft", "--run-id", "done")) == 0
-    interrupted_run(monkeypatch, *smoke_args(trace_dir, out / "b", "--method", "seqft", "--run-id", "cut"),
-                    at_stage=1)
-    flags = f"--profile smoke --data-dir {trace_dir} --method seqft --method-arg lr=1e-3"
-    path = tmp_path / "plan.txt"
-    path.write_text(f"# three runs\n{out}/a/done: {flags}\n{out}/b/cut: {flags}\n\n{out}/new: {flags}  # a comment\n")
-    return path, out
-
-
-def campaign(*argv, root: Path = ROOT) -> int:
-    """The command, from `root` (where .campaign/ goes: logs, clones, jobs); the plans
-    of these tests name absolute run folders."""
-    return run_cli("campaign", *argv, "--root", root)
-
-
-def here(*argv):
-    """A dry run on the tree as it is (the tree under test may have changes, which
-    a new run's clone of HEAD refuses)."""
-    return [*argv, "--dry-run", "--code", str(ROOT)]
-
-
-def _table(out: str) -> list[list[str]]:
-    """(state, run folder) per row of the printed table."""
-    rows = [line.split() for line in out.splitlines()[1:] if not line.startswith("total left")]
-    return [[r[0], next(w for w in r[1:] if "/" in w)] for r in rows]
+from campaign_setup import ROOT, campaign, here, table_rows
 
 
 def test_dry_run_says_skip_resume_start_and_refuses_auto_without_bf16(plan, monkeypatch, capsys):
@@ -65,7 +30,7 @@ def test_dry_run_says_skip_resume_start_and_refuses_auto_without_bf16(plan, monk
     path, out = plan
     assert campaign(*here(str(path))) == 0
     said = capsys.readouterr().out
-    assert _table(said) == [["done", f"{out}/a/done"], ["left", f"{out}/b/cut"], ["left", f"{out}/new"]]
+    assert table_rows(said) == [["done", f"{out}/a/done"], ["left", f"{out}/b/cut"], ["left", f"{out}/new"]]
     assert "(resume," in said.splitlines()[2] and "(start," in said.splitlines()[3]
 
     (out / "locked").mkdir()  # a start that died before its record: only a lock file
@@ -74,7 +39,7 @@ def test_dry_run_says_skip_resume_start_and_refuses_auto_without_bf16(plan, monk
                     f"{out}/auto: --profile smoke --method seqft --set train.precision=auto\n")
     monkeypatch.setattr("cl_bench.run.precision.native_bf16", lambda device: True)
     assert campaign(*here(str(path))) == 0
-    assert _table(capsys.readouterr().out)[3] == ["left", f"{out}/locked"]
+    assert table_rows(capsys.readouterr().out)[3] == ["left", f"{out}/locked"]
     monkeypatch.setattr("cl_bench.run.precision.native_bf16", lambda device: False)
     assert campaign(*here(str(path))) == 2
     assert f"{path}: lines 7 ask for precision auto or bf16" in capsys.readouterr().err
@@ -88,7 +53,7 @@ def test_a_run_whose_lock_is_held_is_shown_running_and_not_launched(plan, capsys
     path, out = plan
     with results.lock_run(out / "b" / "cut"):
         assert campaign(*here(str(path))) == 0
-    assert _table(capsys.readouterr().out)[1] == ["running", f"{out}/b/cut"]
+    assert table_rows(capsys.readouterr().out)[1] == ["running", f"{out}/b/cut"]
 
 
 @pytest.mark.slow
@@ -132,7 +97,7 @@ def test_a_run_folder_without_its_stage_checkpoint_is_shown_stuck_and_not_launch
     monkeypatch.setattr(launch, "run_local", lambda todo, *rest: launched.extend(e.run_dir for e, _, _ in todo) or 0)
     assert campaign(str(path), "--code", str(ROOT)) == 1  # the others launched; this one needs a hand
     said = capsys.readouterr()
-    assert _table(said.out) == [["done", f"{out}/a/done"], ["stuck", f"{out}/b/cut"], ["left", f"{out}/new"]]
+    assert table_rows(said.out) == [["done", f"{out}/a/done"], ["stuck", f"{out}/b/cut"], ["left", f"{out}/new"]]
     assert f"{path}:3: {cut}/run.json: stages_done is 2" in said.err and "total left: 1 runs" in said.out
     assert "and 1 stuck, not launched" in said.out and launched == [Path(f"{out}/new")]
 
@@ -376,88 +341,3 @@ def test_a_campaign_runs_a_clones_code_finishes_every_run_and_leaves_the_complet
     assert records["new"]["git_commit"] == pinning.git(code, "rev-parse", "HEAD")
     imported = marker.read_text().splitlines()
     assert len(imported) == 2 and all(Path(p).resolve().is_relative_to(code.resolve()) for p in imported)
-
-
-def _preempt_when_checkpointed(run_dir: Path, done: threading.Event) -> None:
-    """Once `run_dir` has an in-stage checkpoint, send SIGUSR2 (Slurm's preemption
-    signal as submitit sets it up) to the job process running it: the parent of its
-    `cl-bench run` process."""
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and not done.is_set():
-        if checkpoint.has_checkpoint(run_dir, checkpoint.STEP_CHECKPOINT_DIR):
-            for proc in Path("/proc").glob("[0-9]*"):
-                try:
-                    argv = (proc / "cmdline").read_bytes().split(b"\0")
-                    parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                except (OSError, ValueError, IndexError):
-                    continue
-                if b"cl_bench.cli" in argv and str(run_dir.name).encode() in argv:
-                    os.kill(parent, signal.SIGUSR2)
-                    return
-        time.sleep(0.1)
-
-
-def _campaign_process(*argv, root: Path) -> subprocess.CompletedProcess:
-    """The command in its own process: submitit's executors log to the stderr they
-    first see, which in pytest's process is a capture that closes after the test."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "cl_bench.cli", "campaign", *map(str, argv), "--root", str(root)],
-                          env=env, capture_output=True, text=True, timeout=900)
-
-
-@pytest.mark.slow
-def test_slurm_jobs_through_submitit_finish_a_preempted_run_and_rerun_nothing(trace_dir, tmp_path):
-    """Two smoke runs as jobs of submitit's local executor (real processes under its
-    controller, which requeues a job that asks for it). The first job is preempted
-    (SIGUSR2, as Slurm signals it) once its run has an in-stage checkpoint: it stops
-    the run (SIGTERM: the record says interrupted) and is requeued, and the requeued
-    job resumes the run from that checkpoint. Then the campaign again says both are
-    done and submits nothing. Mutations caught: a job that is not requeued
-    (checkpoint() missing: the run stays interrupted and the job fails), a requeued
-    job that starts the run afresh (no in-stage resume in its record)."""
-    out = tmp_path / "out"
-    base = f"--profile smoke --data-dir {trace_dir} --method seqft --method-arg lr=1e-3"
-    long = "--set train.epochs=30 --set train.checkpoint_every_s=0"
-    path = tmp_path / "plan.txt"
-    path.write_text(f"{out}/long: {base} {long}\n{out}/short: {base}\n")
-    settings = tmp_path / "slurm.yaml"
-    settings.write_text("executor: local\ntime_min: 20\nmax_requeues: 2\ncpus_per_task: 1\n")
-    args = [str(path), "--launcher", "slurm", "--slurm", str(settings), "--code", str(ROOT)]
-    done = threading.Event()
-    preempt = threading.Thread(target=_preempt_when_checkpointed, args=(out / "long", done))
-    preempt.start()
-    try:
-        first = _campaign_process(*args, "--wait", root=tmp_path)
-    finally:
-        done.set()
-        preempt.join()
-    assert first.returncode == 0, first.stderr[-3000:]
-    said = first.stdout
-    assert said.count("submitted") == 2 and said.count("finished") == 2, said
-    long_run = json.loads((out / "long" / "run.json").read_text())
-    short_run = json.loads((out / "short" / "run.json").read_text())
-    assert long_run["status"] == short_run["status"] == "complete"
-    assert [list(r) for r in long_run["resumes"]] and any("at_step" in r for r in long_run["resumes"]), long_run
-    assert not short_run.get("resumes")
-    assert "preempted" in "".join(p.read_text() for p in (tmp_path / ".campaign" / "slurm").glob("*_log.err"))
-
-    before = {name: (out / name / "run.json").read_bytes() for name in ("long", "short")}
-    second = _campaign_process(*args, "--wait", root=tmp_path)
-    assert second.returncode == 0, second.stderr[-3000:]
-    again = second.stdout
-    assert "submitted" not in again and [r[0] for r in _table(again)] == ["done", "done"]
-    assert {name: (out / name / "run.json").read_bytes() for name in ("long", "short")} == before
-
-
-def test_the_sbatch_script_carries_the_settings(tmp_path):
-    """What Slurm would be given (submitit writes the script; no sbatch is called)."""
-    settings = tmp_path / "slurm.yaml"
-    settings.write_text("partition: cpu\ntime_min: 90\nsignal_delay_s: 60\ncpus_per_task: 2\nmem_gb: 24\n"
-                        "additional: {account: lab}\n")
-    from submitit.slurm.slurm import _make_sbatch_string
-
-    params = launch.sbatch_parameters(launch.SlurmSettings.load(settings))
-    script = _make_sbatch_string(command="python -m x", folder=tmp_path, **params)
-    for line in ("--partition=cpu", "--time=90", "--signal=USR2@60", "--cpus-per-task=2", "--mem=24GB",
-                 "--account=lab"):
-        assert f"#SBATCH {line}" in script, (line, script)
