@@ -47,10 +47,6 @@ from cl_bench.method import Method, Stage
 
 log = logging.getLogger(__name__)
 
-# Set by the harness from the run config; a DeepSpeed config file may repeat them
-# only with the same value (or "auto").
-HARNESS_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                "gradient_clipping")
 REFUSED_SECTIONS = {"optimizer": "the method builds its optimiser (Method.make_optimizer)",
                     "scheduler": "methods keep a constant lr or schedule it themselves",
                     "fp16": "fp16 needs loss scaling, which the harness does not do; use bf16"}
@@ -114,6 +110,7 @@ def ds_config(config: RunConfig, world_size: int, bf16: bool) -> dict[str, Any]:
         if key in base and (key != "fp16" or base[key].get("enabled") not in (False, None)):
             raise UserError(f"{where}: remove the '{key}' section: {why}")
     accumulation = max(1, -(-(t.batch_size // t.micro_batch_size) // world_size))
+    # set by the harness from the run config; the file may repeat them only with the same value (or "auto")
     owned = {"train_micro_batch_size_per_gpu": t.micro_batch_size,
              "gradient_accumulation_steps": accumulation,
              "train_batch_size": t.micro_batch_size * accumulation * world_size,
