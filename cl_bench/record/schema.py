@@ -32,7 +32,7 @@ _OMITTED_WHEN_NONE = frozenset({"majority", "backend", "probes", "general", "res
                                 "error", "total_s", "prepare_s", "zero_shot_s"})
 
 
-class _Where:
+class Where:
     """Where a record came from, for one-line errors: the file and its schema version."""
 
     def __init__(self, path: Path | str | None, version: int):
@@ -94,7 +94,7 @@ class StageRecord:
         return _to_json(self)
 
     @classmethod
-    def from_json(cls, data: Any, where: _Where, at: str) -> StageRecord:
+    def from_json(cls, data: Any, where: Where, at: str) -> StageRecord:
         if not isinstance(data, dict):
             raise where.fail(f"{at} must be an object, found {type(data).__name__}")
         where.unknown(data, {f.name for f in dataclasses.fields(cls)}, f"{at}.")
@@ -145,7 +145,7 @@ class ParamReport:
         return _to_json(self)
 
     @classmethod
-    def from_json(cls, data: Any, where: _Where, at: str) -> ParamReport:
+    def from_json(cls, data: Any, where: Where, at: str) -> ParamReport:
         if not isinstance(data, dict):
             raise where.fail(f"{at} must be an object, found {type(data).__name__}")
         names = [f.name for f in dataclasses.fields(cls)]
@@ -192,7 +192,7 @@ class Timing:
         return _to_json(self)
 
     @classmethod
-    def from_json(cls, data: Any, where: _Where) -> Timing:
+    def from_json(cls, data: Any, where: Where) -> Timing:
         if not isinstance(data, dict):
             raise where.fail(f"field timing must be an object, found {type(data).__name__}")
         where.unknown(data, {f.name for f in dataclasses.fields(cls)}, "timing.")
@@ -315,7 +315,7 @@ class RunRecord:
         if version > SCHEMA_VERSION:
             raise UserError(f"{where}: field schema_version {version} is newer than this cl-bench reads "
                             f"(up to {SCHEMA_VERSION}); upgrade cl-bench")
-        w = _Where(path, version)
+        w = Where(path, version)
         w.unknown(data, {f.name for f in dataclasses.fields(cls) if f.metadata.get("json", True)})
         g = w.get
         tasks = g(data, "tasks", list, required=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from cl_bench.record.schema import RunRecord, _Where
+    from cl_bench.record.schema import RunRecord, Where
 
 
 def _number(v: Any) -> bool:
@@ -27,7 +27,7 @@ def _pair(v: Any) -> bool:
     return isinstance(v, list) and len(v) == 2 and all(_number(x) for x in v)
 
 
-def check(rec: RunRecord, where: _Where) -> None:
+def check(rec: RunRecord, where: Where) -> None:
     """Raise where.fail(...) at the first field out of shape."""
     tasks = rec.tasks
     n_stages = len(rec.stages) if rec.stages else len(rec.matrix)  # some hand-made records list no stages
@@ -73,7 +73,7 @@ def check(rec: RunRecord, where: _Where) -> None:
         _intervals(where, rec.intervals, n_stages, len(tasks))
 
 
-def _rows(where: _Where, name: str, rows: Any, n_rows: int, width: int, ok, what: str) -> None:
+def _rows(where: Where, name: str, rows: Any, n_rows: int, width: int, ok, what: str) -> None:
     """`rows`: n_rows lists (one per stage) of `width` values each passing `ok`."""
     if not isinstance(rows, list) or len(rows) != n_rows:
         raise where.fail(f"field {name} must have {n_rows} rows (one per stage)")
@@ -81,7 +81,7 @@ def _rows(where: _Where, name: str, rows: Any, n_rows: int, width: int, ok, what
         _row(where, f"{name}[{b}]", row, width, ok, what)
 
 
-def _row(where: _Where, name: str, row: Any, width: int, ok, what: str) -> None:
+def _row(where: Where, name: str, row: Any, width: int, ok, what: str) -> None:
     if not isinstance(row, list) or len(row) != width:
         raise where.fail(f"field {name} must be a list of {width} values (one per task)")
     for j, v in enumerate(row):
@@ -89,7 +89,7 @@ def _row(where: _Where, name: str, row: Any, width: int, ok, what: str) -> None:
             raise where.fail(f"field {name}[{j}] must be {what}, found {type(v).__name__}")
 
 
-def _intervals(where: _Where, iv: dict, n_stages: int, width: int) -> None:
+def _intervals(where: Where, iv: dict, n_stages: int, width: int) -> None:
     """The keys of cl_bench.metrics.intervals.run_intervals that the readers use."""
     if not (_int(iv.get("resamples")) and _int(iv.get("seed"))):
         raise where.fail("field intervals must hold integer resamples and seed")

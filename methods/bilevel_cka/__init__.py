@@ -59,9 +59,9 @@ from .args import MASK_INITS, MASK_MODES, RANDOM_INIT_STD, BilevelCKAArgs
 from .guidance import (drift, expert_sensitivity, fixed_depth, guidance_record, guided_logits, layer_outputs,
                        replay_batches, scale_over_layers, scale_per_layer)
 from .record import decisions_for_schedule, finalise, spread_decisions
-from .search import (CHECK_BATCHES, LayerFeatures, _Task, mask_schedule, no_update_error, outer_step,
+from .search import (CHECK_BATCHES, LayerFeatures, TaskSearch, mask_schedule, no_update_error, outer_step,
                      reachable_mask_lr)
-from .supernet import _Supernet, balance, pair_shares, straight_through_gumbel
+from .supernet import Supernet, balance, pair_shares, straight_through_gumbel
 
 __all__ = ["BilevelCKA", "BilevelCKAArgs", "MASK_MODES", "MASK_INITS", "RANDOM_INIT_STD", "CHECK_BATCHES",
            "straight_through_gumbel", "balance", "mask_schedule", "reachable_mask_lr", "no_update_error",
@@ -88,7 +88,7 @@ class BilevelCKA(Method):
                             f"the replay micro-batch of each step), not {context.config.replay.policy!r}; "
                             f"set --set replay.policy=interleave")
         self._active: dict[int, list[int]] = {}  # candidate layer -> expert index per slot
-        self._task: _Task | None = None
+        self._task: TaskSearch | None = None
         self._record: dict[str, Any] | None = None  # this stage's per-task record
         # guided init, depth_prior=cka: the last task's drift per candidate layer and what it
         # was measured on; the model before task 0 (its trainable values) while task 0 trains
@@ -151,7 +151,7 @@ class BilevelCKA(Method):
         train_newest_group(self.model, a.train_shared, newest=False)  # only the clones (and s) train
         nets = {}
         for i in self._candidates:
-            nets[i] = blocks[i].mlp = _Supernet(blocks[i].mlp, self._active[i], a.router_std, rows, a.supernet)
+            nets[i] = blocks[i].mlp = Supernet(blocks[i].mlp, self._active[i], a.router_std, rows, a.supernet)
         clones = {id(p) for net in nets.values() for p in net.clones.parameters()}
         snapshot = {n: p.detach().clone() for n, p in self.model.named_parameters()
                     if p.requires_grad and id(p) not in clones}
@@ -161,7 +161,7 @@ class BilevelCKA(Method):
             mask_lr = reachable_mask_lr(updates, init_gap, a.mask_lr, a.mask_reach)
             logits = nn.Parameter(init.to(device_of(self.model), copy=True))  # init stays the start
             optimizer = torch.optim.Adam([logits], lr=mask_lr)
-        self._task = _Task(nets, snapshot, generator, n_steps, every, decay, logits, optimizer, a.tau0,
+        self._task = TaskSearch(nets, snapshot, generator, n_steps, every, decay, logits, optimizer, a.tau0,
                            mask_lr, init_gap, init=init, guidance=guidance)
 
     # ---- guided initialisation (guidance.py) -------------------------------------------

@@ -32,14 +32,14 @@ from cl_bench.models.modes import device_of
 from cl_bench.models.moe import decoder_layers
 
 from .guidance import expert_owners
-from .search import LayerFeatures, _Task, mean_loss
+from .search import LayerFeatures, TaskSearch, mean_loss
 from .supernet import pair_shares
 
 if TYPE_CHECKING:
     from .args import BilevelCKAArgs
 
 
-def finalise(model: nn.Module, task: _Task, expand: torch.Tensor, active: dict[int, list[int]],
+def finalise(model: nn.Module, task: TaskSearch, expand: torch.Tensor, active: dict[int, list[int]],
              features: LayerFeatures, args: BilevelCKAArgs) -> dict[str, Any]:
     """Expand the clones where `expand` (L_c, K) is true, drop the others (each
     candidate layer gets its MoE layer back), update `active` (candidate layer ->
@@ -123,7 +123,7 @@ def _replace(layer, clones, chosen: list[int], active: list[int]) -> None:
                 getattr(group, name)[j].copy_(getattr(clones, name)[c])
 
 
-def _init_record(task: _Task, expand: torch.Tensor) -> dict[str, Any] | None:
+def _init_record(task: TaskSearch, expand: torch.Tensor) -> dict[str, Any] | None:
     """Where the search started and what it changed: the initial gap alpha_e - alpha_r per
     slot (the tensor the mask logits were made from), the decisions its sign gives, how
     many final decisions differ from it, and how many slots the task's reach 2 U lr could

@@ -34,7 +34,7 @@ from cl_bench.method import Stage, lm_loss
 from cl_bench.models.modes import eval_mode
 from cl_bench.models.moe import decoder_layers
 
-from .supernet import _Supernet, balance, straight_through_gumbel
+from .supernet import Supernet, balance, straight_through_gumbel
 
 if TYPE_CHECKING:
     from .args import BilevelCKAArgs
@@ -78,10 +78,10 @@ def no_update_error(stage: Stage, n_steps: int, args: BilevelCKAArgs) -> UserErr
 
 
 @dataclass
-class _Task:
+class TaskSearch:
     """What one task t >= 1 holds while it trains."""
 
-    nets: dict[int, _Supernet]  # candidate decoder layer -> its supernet, in candidate order
+    nets: dict[int, Supernet]  # candidate decoder layer -> its supernet, in candidate order
     snapshot: dict[str, torch.Tensor]  # pre-task values of what trains besides the clones
     generator: torch.Generator  # Gumbel noise (and a random init), seeded per task
     n_steps: int | None
@@ -153,7 +153,7 @@ class _Task:
         return self.pi
 
 
-def outer_step(model: nn.Module, task: _Task, replay: dict, args: BilevelCKAArgs, pi: torch.Tensor | None = None,
+def outer_step(model: nn.Module, task: TaskSearch, replay: dict, args: BilevelCKAArgs, pi: torch.Tensor | None = None,
                l_replay: torch.Tensor | None = None) -> dict[str, float]:
     """One Adam step on the mask logits (module docstring); the model's gradients stay
     untouched. `pi`, `l_replay`: a sample and the replay loss already computed with it
@@ -235,7 +235,7 @@ class LayerFeatures:
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
         return [(dtype, tuple(batch["input_ids"][i, :n].tolist())) for i, n in enumerate(lengths.tolist())]
 
-    def reference(self, task: _Task, batch: dict, refresh: list[tuple] = ()) -> dict[int, torch.Tensor]:
+    def reference(self, task: TaskSearch, batch: dict, refresh: list[tuple] = ()) -> dict[int, torch.Tensor]:
         """CKA-layer tokens of `batch` (as `tokens` picks them) through the model as it
         was before this task: every supernet without its clones (pi None) and the
         snapshot of whatever else trains. That model is fixed for the task, so each
@@ -253,7 +253,7 @@ class LayerFeatures:
                     task.reference[key] = self._alone(task, key[1], batch["input_ids"].device)
         return {l: self.spaced(torch.cat([task.reference[key][l] for key in rows])) for l in self.layers}
 
-    def _alone(self, task: _Task, ids: tuple[int, ...], device: torch.device) -> dict[int, torch.Tensor]:
+    def _alone(self, task: TaskSearch, ids: tuple[int, ...], device: torch.device) -> dict[int, torch.Tensor]:
         """{layer: (n, d)}: one row's CKA-layer outputs, its own forward (B = 1, no padding)."""
         ids = torch.tensor([ids], device=device)  # (1, n)
         kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, logits_to_keep=1)

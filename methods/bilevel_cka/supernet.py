@@ -60,7 +60,7 @@ def balance(rate: torch.Tensor, r_target: float) -> torch.Tensor:
     return 2 * (r_target - rate) if rate.item() < r_target else torch.sigmoid(rate - r_target)
 
 
-class _Supernet(nn.Module):
+class Supernet(nn.Module):
     """A candidate layer's MLP during a task t >= 1: the MoE layer `moe` (its experts
     and rows unchanged and frozen) and `clones`, trainable copies of its active
     experts (clone c of expert active[c], standing in for its slot c), each with a

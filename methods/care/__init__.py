@@ -43,9 +43,9 @@ from cl_bench.models.prompt_pool import PromptPool, masked_mean, prompt_mask, pr
 from cl_bench.registry import register_method
 
 from .args import ROUTER_INPUTS, UNIFORM_CE_TOL, CareArgs
-from .layer import Adapter, CareMLP, RMSNorm, Triplet, _Control, entropy, select_routers, top_k_softmax
-from .pseudo_labels import _key, kmeans, perceiver_loss
-from .record import _relative, _round, diagnostics, uniformity
+from .layer import Adapter, CareMLP, RMSNorm, Triplet, Control, entropy, select_routers, top_k_softmax
+from .pseudo_labels import prompt_key, kmeans, perceiver_loss
+from .record import relative_change, rounded, diagnostics, uniformity
 
 __all__ = ["CaRE", "CareArgs", "UNIFORM_CE_TOL", "ROUTER_INPUTS", "Adapter", "CareMLP", "RMSNorm",
            "Triplet", "entropy", "select_routers", "top_k_softmax", "kmeans", "perceiver_loss"]
@@ -76,7 +76,7 @@ class CaRE(Method):
             raise UserError(f"care: {type(model).__name__} has no config.hidden_size; only Hugging Face "
                             f"causal LMs are supported")
         eps = getattr(config, "rms_norm_eps", 1e-6)
-        self.control = _Control(PromptPool())
+        self.control = Control(PromptPool())
         self.layers: list[CareMLP] = []
         for i, block in enumerate(decoder_layers(model)):
             if not (hasattr(block, "post_attention_layernorm") and hasattr(block, "mlp")):
@@ -152,7 +152,7 @@ class CaRE(Method):
                               .digest()[:8], "big") >> 1
         labels, self._centroids = kmeans(x, a.pseudo_classes, a.kmeans_iters,
                                          torch.Generator().manual_seed(seed))
-        self._labels = {_key(p): int(y) for p, y in zip(prompts, labels)}
+        self._labels = {prompt_key(p): int(y) for p, y in zip(prompts, labels)}
         self._record["pseudo_label_sizes"] = torch.bincount(labels, minlength=a.pseudo_classes).tolist()
 
     @torch.no_grad()
@@ -171,7 +171,7 @@ class CaRE(Method):
         """Pseudo-labels (B,) of a training batch, by each row's prompt token ids."""
         ids, labels, mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
         prompt = prompt_tokens(mask, labels)
-        keys = [_key(ids[b][prompt[b]].tolist()) for b in range(ids.shape[0])]
+        keys = [prompt_key(ids[b][prompt[b]].tolist()) for b in range(ids.shape[0])]
         missing = [b for b, k in enumerate(keys) if k not in self._labels]
         if missing:
             if self._centroids is None:
@@ -224,9 +224,9 @@ class CaRE(Method):
     # ---- task end -----------------------------------------------------------------------
     def after_task(self, stage: Stage) -> None:
         now = self._shared_vector()
-        self._record["shared_drift"] = _round(_relative(now, self._shared_start))
+        self._record["shared_drift"] = rounded(relative_change(now, self._shared_start))
         self._record["shared_drift_since_task0"] = (None if self._shared_task0 is None
-                                                    else _round(_relative(now, self._shared_task0)))
+                                                    else rounded(relative_change(now, self._shared_task0)))
         self._record.update(uniformity(self._perceiver_ce, self.args.pseudo_classes, stage))
         if not self.ctx.shapes_only and self.args.diag_examples > 0:
             self._record.update(self.diagnostics(self.ctx.all_tasks[:stage.index + 1]))

@@ -124,7 +124,7 @@ def select_routers(entropies: torch.Tensor, forced: torch.Tensor | None, m: int)
 # ---- the layer -----------------------------------------------------------------------
 
 @dataclass
-class _Control:
+class Control:
     """Shared by the method and its layers: how the running forward routes."""
 
     pool: PromptPool
@@ -138,7 +138,7 @@ class CareMLP(nn.Module):
     the layer's post-attention norm N2 moved in here."""
 
     def __init__(self, norm: nn.Module, mlp: nn.Module, d: int, eps: float, args: CareArgs,
-                 control: _Control):
+                 control: Control):
         super().__init__()
         self.norm = norm
         self.mlp = mlp

@@ -63,5 +63,5 @@ def kmeans(x: torch.Tensor, k: int, iters: int, generator: torch.Generator) -> t
     return torch.cdist(x, centroids).argmin(dim=1), centroids
 
 
-def _key(ids: list[int]) -> bytes:
+def prompt_key(ids: list[int]) -> bytes:
     return hashlib.sha1(torch.tensor(ids, dtype=torch.long).numpy().tobytes()).digest()

@@ -42,7 +42,7 @@ def uniformity(perceiver_ce: dict[int, list[float]], pseudo_classes: int, stage:
                         f"{uniform_ce:.4f} (uniform): they did not learn the pseudo-classes, so "
                         f"entropy routing cannot tell this task apart")
         log.warning("care: %s", warnings[-1])
-    return {"perceiver_ce_end": _round(ce_end), "perceiver_uniform": uniform, "warnings": warnings}
+    return {"perceiver_ce_end": rounded(ce_end), "perceiver_uniform": uniform, "warnings": warnings}
 
 
 @torch.no_grad()
@@ -66,23 +66,23 @@ def diagnostics(forward: Callable, examples: list[tuple[str, list[dict]]], n_lay
         if not rows:
             continue
         counts[name] = len(rows)
-        by_task[name] = [_round(h / len(rows)) for h in hits.tolist()]
-        ce_entropy[name] = _round(sums[0] / max(tokens, 1))
-        ce_oracle[name] = _round(sums[1] / max(tokens, 1))
+        by_task[name] = [rounded(h / len(rows)) for h in hits.tolist()]
+        ce_entropy[name] = rounded(sums[0] / max(tokens, 1))
+        ce_oracle[name] = rounded(sums[1] / max(tokens, 1))
         hits_all += hits
         seen += len(rows)
     if not seen:
         return {}
     gaps = [ce_entropy[k] - ce_oracle[k] for k in ce_entropy]
     return {"diag_n": counts,
-            "task_id_acc": [_round(h / seen) for h in hits_all.tolist()],
+            "task_id_acc": [rounded(h / seen) for h in hits_all.tolist()],
             "task_id_acc_by_task": by_task, "answer_ce": ce_entropy, "answer_ce_oracle": ce_oracle,
-            "oracle_gap": _round(sum(gaps) / len(gaps))}
+            "oracle_gap": rounded(sum(gaps) / len(gaps))}
 
 
-def _relative(x: torch.Tensor, ref: torch.Tensor) -> float:
+def relative_change(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x - ref).norm() / ref.norm().clamp(min=1e-12))
 
 
-def _round(x) -> float:
+def rounded(x) -> float:
     return round(float(x), 6)

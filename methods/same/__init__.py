@@ -42,7 +42,7 @@ from cl_bench.models.prompt_pool import DECODE, PromptPool, first_tokens
 from cl_bench.registry import register_method
 
 from .args import IMPORTANCE, INPUT_OF, PRECONDITION, TARGETS, SAMEArgs, activation_schedule
-from .layer import A_STD, SAMELinear, _Routing, activation_scores, minmax
+from .layer import A_STD, SAMELinear, Routing, activation_scores, minmax
 from .record import Task, stage_record
 from .subspace import InputCovariance, Subspace, damped_inverse, spectral_projection
 
@@ -84,7 +84,7 @@ class SAME(Method):
         if a.infer_top_k > self.n_experts:
             raise UserError(f"method_args.infer_top_k={a.infer_top_k} exceeds the {self.n_experts} experts")
         model.requires_grad_(False)
-        self._routing = _Routing()
+        self._routing = Routing()
         self._pool = PromptPool(skip_first=False, refuse_chunked=False)
         self.linears: list[dict[str, SAMELinear]] = []  # per layer: proj -> wrapper
         self.covs: list[dict[str, InputCovariance]] = []  # per layer: "x", "h"

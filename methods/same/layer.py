@@ -29,7 +29,7 @@ from .subspace import InputCovariance
 A_STD = 0.01  # the code's A init, N(0, 0.01^2)
 
 
-class _Routing:
+class Routing:
     """What the routed linears of one model share during one forward (set by the
     model's forward pre-hook)."""
 
@@ -45,7 +45,7 @@ class SAMELinear(nn.Module):
     linear's router (module docstring). x: (B, T, d_in) -> (B, T, d_out)."""
 
     def __init__(self, base: nn.Linear, n_experts: int, rank: int, scale: float, dropout: float,
-                 infer_top_k: int, routing: _Routing):
+                 infer_top_k: int, routing: Routing):
         super().__init__()
         self.base = base
         self.n_experts, self.rank, self.scale, self.infer_top_k = n_experts, rank, scale, infer_top_k

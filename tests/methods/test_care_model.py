@@ -16,7 +16,7 @@ from cl_bench.data.encode import Encoder
 from cl_bench.errors import UserError
 from cl_bench.method import Stage
 from cl_bench.methods.care.args import UNIFORM_CE_TOL
-from cl_bench.methods.care.pseudo_labels import _key
+from cl_bench.methods.care.pseudo_labels import prompt_key
 from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import schedule_report
 from helpers import assert_decodes_as_the_plain_loop, flat_params, interrupted_run, only_run, run_cli, smoke_args
@@ -94,7 +94,7 @@ def test_pseudo_labels_cluster_the_tasks_prompts_and_label_rows_by_prompt():
     b = batch_of(method, TASKS[0])
     labels = method._batch_labels(b)
     enc = Encoder.from_config(method.ctx.tokenizer, method.ctx.config.train)
-    assert labels.tolist() == [method._labels[_key(enc.prompt_ids(e.prompt))] for e in TASKS[0].train]
+    assert labels.tolist() == [method._labels[prompt_key(enc.prompt_ids(e.prompt))] for e in TASKS[0].train]
     # an unseen prompt gets the nearest centroid of its base-model features
     new = batch_of(method, TASKS[2], "test")
     got = method._batch_labels(new)

@@ -30,7 +30,7 @@ from cl_bench.eval.generation import greedy_generate
 from cl_bench.method import Stage
 from cl_bench.models.loading import load
 from cl_bench.tools.perf.eval_profile import linear_weights
-from cl_bench.tools.perf.harness import _method
+from cl_bench.tools.perf.harness import default_method
 from cl_bench.profiles import PROFILES
 
 # Dense (no sparsity) peak TFLOP/s from the vendors' data sheets: (bf16, fp32 on tensor cores or not).
@@ -76,7 +76,7 @@ def train_step(args) -> dict:
     if len(rows) < 2 * config.train.batch_size:
         raise UserError(f"perf train-step: --n {args.n} gives {len(rows)} examples; it needs at least "
                         f"{2 * config.train.batch_size} (two steps of {config.train.batch_size})")
-    method = _method(args, config, dev, loaded.tokenizer)
+    method = default_method(args, config, dev, loaded.tokenizer)
     method.setup(loaded.model)
     stage = Stage(0, [task], task.name)
     marks: list[float] = []

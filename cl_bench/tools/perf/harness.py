@@ -38,7 +38,9 @@ from cl_bench.models.loading import load
 from cl_bench.profiles import PROFILES
 
 
-def _setup(args):
+def cpu_setup(args):
+    """(config, loaded model, encoder, tasks): the `cpu` profile for `args.model`, and the
+    tasks of `args.task` (comma-separated) with `args.n` training and test items each."""
     config = build({**PROFILES["cpu"], "profile": "cpu", "model": args.model}, "perf")
     loaded = load(args.model, config.seed)
     tasks = [load_task(resolve_data_dir(args.data_dir), name, args.n, args.n, config.seed)
@@ -47,7 +49,7 @@ def _setup(args):
 
 
 def generation(args) -> dict:
-    config, loaded, encoder, tasks = _setup(args)
+    config, loaded, encoder, tasks = cpu_setup(args)
     tok = loaded.tokenizer
     prompts = [encoder.prompt_ids(e.prompt) for t in tasks for e in t.test][: args.n]
 
@@ -74,21 +76,21 @@ def generation(args) -> dict:
             "identical_outputs": same, "torch_threads": torch.get_num_threads()}
 
 
-def _method(args, config, device, tokenizer):
+def default_method(args, config, device, tokenizer):
     """`--method` with its own default arguments."""
     cls = registry.get(args.method)
     return cls(cls.parse_args({}), MethodContext(config, device, tokenizer))
 
 
 def harness(args) -> dict:
-    config, loaded, encoder, tasks = _setup(args)
+    config, loaded, encoder, tasks = cpu_setup(args)
     model, pad = loaded.model, loaded.tokenizer.pad_token_id
     rows = list(tokenize_train(encoder, tasks[0].train, None))
     stage = Stage(0, tasks[:1], tasks[0].name)
     t = config.train
     batches = list(steps(rows, epoch_order(len(rows), config.seed, stage.label, 0), t.batch_size,
                          t.micro_batch_size, pad))
-    method = _method(args, config, torch.device("cpu"), loaded.tokenizer)
+    method = default_method(args, config, torch.device("cpu"), loaded.tokenizer)
     method.setup(model)
     backend = TorchBackend(config, torch.device("cpu"))
 
@@ -135,7 +137,7 @@ def harness(args) -> dict:
 def deepspeed(args) -> dict:
     from cl_bench.backends.deepspeed_backend import DeepSpeedBackend
 
-    config, loaded, encoder, tasks = _setup(args)
+    config, loaded, encoder, tasks = cpu_setup(args)
     ds_config = build({**PROFILES["cpu"], "profile": "cpu", "model": args.model, "backend": "deepspeed",
                        "deepspeed": {"zero": 2}}, "perf")
     ds = DeepSpeedBackend(ds_config)
@@ -144,7 +146,7 @@ def deepspeed(args) -> dict:
     model, pad = loaded.model.to(ds.device), loaded.tokenizer.pad_token_id
     rows = list(tokenize_train(encoder, tasks[0].train, None))
     stage = Stage(0, tasks[:1], tasks[0].name)
-    method = _method(args, config, ds.device, loaded.tokenizer)
+    method = default_method(args, config, ds.device, loaded.tokenizer)
     method.setup(model)
     backends = {"torch": TorchBackend(config, ds.device), "deepspeed": ds}
 

@@ -27,7 +27,7 @@ from cl_bench.backends.torch_backend import TorchBackend
 from cl_bench.data.encode import IGNORE, collate, epoch_order, steps, tokenize_train
 from cl_bench.errors import UserError
 from cl_bench.method import MethodContext
-from cl_bench.tools.perf.harness import _setup
+from cl_bench.tools.perf.harness import cpu_setup
 from cl_bench.data.replay import ReplayBuffer, sample_rows
 
 
@@ -47,7 +47,7 @@ def begun(name: str, config, loaded, tasks: list, encoder, method_args: dict):
 
 
 def step(args) -> dict:
-    config, loaded, encoder, tasks = _setup(args)
+    config, loaded, encoder, tasks = cpu_setup(args)
     if len(tasks) != 2:
         raise UserError(f"perf step: --task A,B (stage 0, then the timed stage), not {args.task!r}")
     device, pad = torch.device("cpu"), loaded.tokenizer.pad_token_id
