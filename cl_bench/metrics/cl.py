@@ -8,6 +8,7 @@ cannot be computed from the entries present.
 """
 
 import math
+from dataclasses import dataclass
 from statistics import fmean
 from typing import Sequence
 
@@ -184,3 +185,32 @@ def bwt_split(R, F) -> dict[str, float | None]:
         fmt += (f1 - f0) * (c1 + c0) / 2
     fmt /= t - 1
     return {"format": fmt, "content": total - fmt}
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One summary as the records and reports name it."""
+
+    key: str  # the field of run.json's "summary" (and of intervals' "summary_ci")
+    label: str  # what every report calls it (`show`, compare, the leaderboard's columns, figures, site)
+    higher_is_better: bool
+    needs_learning: bool = False  # says something only of a run that learned its tasks (Gain above 0)
+
+
+# Every summary, in the order the reports list them: summarise's six, then bwt_split's two parts.
+SUMMARIES = (
+    Summary("last_acc", "Last Acc", higher_is_better=True),
+    Summary("stage_acc", "Stage Acc", higher_is_better=True),
+    Summary("bwt", "BWT", higher_is_better=True, needs_learning=True),
+    Summary("fwt", "FWT", higher_is_better=True),
+    Summary("forgetting", "Forgetting", higher_is_better=False, needs_learning=True),
+    Summary("learn_gain", "Gain", higher_is_better=True),
+    Summary("bwt_format", "BWT format", higher_is_better=True, needs_learning=True),
+    Summary("bwt_content", "BWT content", higher_is_better=True, needs_learning=True),
+)
+SUMMARY = {s.key: s for s in SUMMARIES}
+
+
+def summaries(*keys: str) -> tuple[Summary, ...]:
+    """The table's rows for `keys`, in that order (a view's choice of summaries)."""
+    return tuple(SUMMARY[k] for k in keys)

@@ -18,10 +18,9 @@ import numpy as np
 from cl_bench.record import io as results
 from cl_bench.metrics import bootstrap
 from cl_bench.metrics.answer_form import RULES, well_formed
-from cl_bench.metrics.cl import bwt_split, summarise
+from cl_bench.metrics.cl import SUMMARIES, bwt_split, summarise
 from cl_bench.record.schema import RunRecord
 
-SUMMARIES = ("last_acc", "stage_acc", "bwt", "fwt", "forgetting", "learn_gain", "bwt_format", "bwt_content")
 SEED = 0  # the bootstrap's own seed: fixed, so every run of the same items shares its draws
 
 
@@ -90,7 +89,7 @@ def replicates(table: ItemTable, resamples: int, seed: int = SEED) -> dict[str, 
     idx = bootstrap.draws([len(i) for i in table.items], resamples, seed)
     R, F, R0, _ = table.matrices(idx)
     rows = [_summaries(R[r], F[r], R0[r]) for r in range(resamples)]
-    return {k: np.array([np.nan if row[k] is None else row[k] for row in rows]) for k in SUMMARIES}
+    return {k: np.array([np.nan if row[k] is None else row[k] for row in rows]) for k in (s.key for s in SUMMARIES)}
 
 
 def _nan_to_none(a: np.ndarray) -> list:

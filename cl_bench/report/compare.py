@@ -21,10 +21,10 @@ from cl_bench.record import io as results
 from cl_bench.report.figures.depth import decision_agreement
 from cl_bench.errors import UserError
 from cl_bench.report.general import LIMA, compare_general
-from cl_bench.metrics.intervals import SEED, SUMMARIES, ItemTable, point_summaries, replicates
+from cl_bench.metrics.cl import SUMMARIES, SUMMARY
+from cl_bench.metrics.intervals import SEED, ItemTable, point_summaries, replicates
 from cl_bench.metrics import bootstrap
 from cl_bench.record.schema import RunRecord
-from cl_bench.report.text import SUMMARY_NAMES
 
 # Config fields that fix a run's budget: two runs compared must agree on all of them.
 BUDGET_FIELDS = (
@@ -112,7 +112,7 @@ def compare(run_dirs: list[Path], resamples: int = bootstrap.RESAMPLES) -> dict[
         reps = replicates(table, resamples)
         point = point_summaries(table)
         rows = {}
-        for name in SUMMARIES:
+        for name in (s.key for s in SUMMARIES):
             a, b = point[name], base_point[name]
             if a is None or b is None:
                 continue
@@ -136,7 +136,7 @@ def compare(run_dirs: list[Path], resamples: int = bootstrap.RESAMPLES) -> dict[
 def format_comparison(result: dict[str, Any]) -> str:
     rows = []
     for comp in result["comparisons"]:
-        named = [(SUMMARY_NAMES[k], r) for k, r in comp["summaries"].items()]
+        named = [(SUMMARY[k].label, r) for k, r in comp["summaries"].items()]
         named += [(f"{task} (final)", r) for task, r in comp.get("tasks", {}).items()]
         named += [(f"{name} (final{', nats/token' if name == LIMA else ''})", r)
                   for name, r in comp.get("general", {}).items()]

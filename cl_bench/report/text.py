@@ -7,12 +7,9 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from cl_bench.report.general import format_general
+from cl_bench.metrics.cl import SUMMARIES, Summary
 from cl_bench.record.schema import RunRecord
-
-SUMMARY_NAMES = {"last_acc": "Last Acc", "stage_acc": "Stage Acc", "bwt": "BWT", "fwt": "FWT",
-                 "forgetting": "Forgetting", "learn_gain": "Gain", "bwt_format": "BWT format",
-                 "bwt_content": "BWT content"}
+from cl_bench.report.general import format_general
 
 
 def _fmt(value) -> str:
@@ -24,6 +21,20 @@ def with_ci(value, ci) -> str:
     if value is None:
         return "–"
     return f"{value:.1f} [{ci[0]:.1f}, {ci[1]:.1f}]" if ci else _fmt(value)
+
+
+def summary_cells(record: RunRecord, intervals: dict | None, shown=SUMMARIES) -> list[tuple[Summary, str]]:
+    """(summary, '23.5 [18.1, 29.0]') for each of `shown` that the run has: the
+    intervals' point where they hold one (BWT's format and content parts), else the record's."""
+    iv = intervals or {}
+    values = {**(record.summary or {}), **(iv.get("summary") or {})}
+    cis = iv.get("summary_ci") or {}
+    return [(s, with_ci(values[s.key], cis.get(s.key))) for s in shown if values.get(s.key) is not None]
+
+
+def summary_line(record: RunRecord, intervals: dict | None, shown=SUMMARIES) -> str:
+    """'Last Acc 23.5 [18.1, 29.0] | BWT ...': summary_cells on one line."""
+    return " | ".join(f"{s.label} {text}" for s, text in summary_cells(record, intervals, shown))
 
 
 def _table(record: RunRecord, zero, rows_, headers) -> str:
@@ -45,10 +56,7 @@ def format_matrix(record: RunRecord, intervals: dict | None = None) -> str:
     cells = [[with_ci(v, c) for v, c in zip(row, ci)] for row, ci in zip(record.matrix, cis)]
     out = [f"{record.method} on {record.model.get('id', 'an unnamed model')} ({record.profile} profile, seed {record.seed})",
            _table(record, zero_cells, cells, ["after stage", *tasks])]
-    summary = {**(record.summary or {}), **(iv.get("summary") or {})}
-    sci = iv.get("summary_ci") or {}
-    out.append(" | ".join(f"{label} {with_ci(summary[key], sci.get(key))}" for key, label in SUMMARY_NAMES.items()
-                          if summary.get(key) is not None))
+    out.append(summary_line(record, iv))
     if iv:
         out.append(f"[95% bootstrap intervals over test items, {iv['resamples']} paired resamples, "
                    f"seed {iv['seed']}; items per task: {', '.join(map(str, iv['n_items']))}]")

@@ -9,7 +9,7 @@ import pytest
 
 from cl_bench.report.compare import compare, differences, format_comparison
 from cl_bench.metrics.intervals import ItemTable, replicates, run_intervals
-from cl_bench.metrics.cl import summarise
+from cl_bench.metrics.cl import SUMMARIES, summarise
 from cl_bench.record.schema import RunRecord
 from helpers import RECORD_TASKS as TASKS, make_record, run_cli, write_run
 
@@ -37,6 +37,17 @@ def test_point_estimates_match_the_record_summary():
     # stage 1: the wrong answers "x" have neither form; stage 0's "8" and "B" have
     assert iv["form_share"] == [[1.0, 1.0], [0.25, 0.75]]
     assert iv["summary"]["bwt_format"] + iv["summary"]["bwt_content"] == pytest.approx(-50.0)
+
+
+def test_the_summary_table_lists_every_summary_of_a_run_once():
+    """cl_bench/metrics/cl.py's table holds exactly the summaries computed from a run
+    (summarise's and bwt_split's parts), in their order, each under its own label:
+    every view (show, compare, the leaderboard, the site) reads its labels there.
+    Mutation caught: a summary left out of the table (or two sharing a label)."""
+    record, preds = make_record(SCORES)
+    iv = run_intervals(RunRecord.from_json(record), preds, resamples=20)
+    assert [s.key for s in SUMMARIES] == list(iv["summary"]) == list(iv["summary_ci"])
+    assert len({s.label for s in SUMMARIES}) == len(SUMMARIES)
 
 
 def test_resamples_are_paired_across_stages():

@@ -73,12 +73,10 @@ def _with_zero_shot(record: RunRecord, iv: dict | None):
 
 
 def _summary_title(record: RunRecord, iv: dict | None, keys) -> str:
-    from cl_bench.report.text import SUMMARY_NAMES, with_ci
+    from cl_bench.metrics.cl import summaries
+    from cl_bench.report.text import summary_line
 
-    summary = {**(record.summary or {}), **((iv or {}).get("summary") or {})}
-    cis = (iv or {}).get("summary_ci") or {}
-    return " | ".join(f"{SUMMARY_NAMES[k]} {with_ci(summary[k], cis.get(k))}" for k in keys
-                      if summary.get(k) is not None)
+    return summary_line(record, iv, summaries(*keys))
 
 
 def heatmap(record: RunRecord, path: Path, iv: dict | None = None) -> Path:

@@ -42,7 +42,7 @@ from cl_bench.errors import UserError
 from cl_bench.report.general import lima_note, lima_rows, task_rows
 from cl_bench.metrics.intervals import record_intervals
 from cl_bench.record.schema import RunRecord
-from cl_bench.report.text import SUMMARY_NAMES
+from cl_bench.metrics.cl import SUMMARY
 from cl_bench.record.io import METRICS_FILE, PREDICTIONS_FILE, RUN_FILE, ZERO_SHOT_STAGE, read_jsonl
 from cl_bench.report.site import sensitivity
 from cl_bench.report.site import views
@@ -238,7 +238,7 @@ def _compare_pages(site: _Site, runs: list[RunRecord]) -> list[dict]:
                        baseline_rel=site.rel(b), run_rel=site.rel(r),
                        baseline_href=site.link(page, site.run_page(b)),
                        run_href=site.link(page, site.run_page(r)),
-                       summaries=views.comparison_rows(comp["summaries"], SUMMARY_NAMES),
+                       summaries=views.comparison_rows(comp["summaries"], {k: s.label for k, s in SUMMARY.items()}),
                        tasks=views.comparison_rows(comp.get("tasks", {}), {}),
                        json_href=Path(name).name + ".json",
                        command=f"cl-bench compare {result['baseline']} {comp['run']} --format json")

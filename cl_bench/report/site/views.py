@@ -15,7 +15,7 @@ from cl_bench import registry
 from cl_bench.report import leaderboard
 from cl_bench.errors import UserError
 from cl_bench.record.schema import RunRecord
-from cl_bench.report.text import SUMMARY_NAMES, with_ci
+from cl_bench.report.text import summary_cells
 
 MISSING = leaderboard.MISSING
 SCORE_STEMS = [stem for _, stem in leaderboard.SCORES]
@@ -147,11 +147,7 @@ def majority_row(record: RunRecord) -> list[str] | None:
 def summary_rows(record: RunRecord, iv: dict | None) -> list[dict]:
     """Every summary with its interval: the record's, else the one from the predictions;
     BWT's format and content parts among them."""
-    iv = iv or {}
-    values = {**(record.summary or {}), **(iv.get("summary") or {})}
-    cis = iv.get("summary_ci") or {}
-    return [{"name": SUMMARY_NAMES[k], "key": k, "text": with_ci(values.get(k), cis.get(k))}
-            for k in SUMMARY_NAMES if values.get(k) is not None]
+    return [{"name": s.label, "key": s.key, "text": text} for s, text in summary_cells(record, iv)]
 
 
 def timing_rows(record: RunRecord) -> list[dict]:
