@@ -126,16 +126,16 @@ def _scores(records: list) -> tuple[dict, dict]:
     """The runs' replicates (pooled over seeds, as the leaderboard's) and their point
     summaries (mean over the runs)."""
     from cl_bench.metrics.intervals import point_summaries
-    from cl_bench.report.leaderboard import _Entry, _group_replicates, _items
+    from cl_bench.report.leaderboard.rows import entries, group_replicates
 
-    entries = [_Entry(r, _items(r)) for r in records]
-    for e in entries:
+    loaded = entries(records)
+    for e in loaded:
         if e.items is None:
             raise UserError(f"{e.record.source}: no predictions beside the record; a claim's interval needs them")
-    points = [point_summaries(e.items) for e in entries]
+    points = [point_summaries(e.items) for e in loaded]
     mean = {k: None if any(p[k] is None for p in points) else float(np.mean([p[k] for p in points]))
             for k in points[0]}
-    return _group_replicates(entries), mean
+    return group_replicates(loaded), mean
 
 
 def _difference(a: tuple[dict, dict], b: tuple[dict, dict], key: str, runs: list) -> dict[str, Any]:

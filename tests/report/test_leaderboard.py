@@ -404,13 +404,9 @@ def test_winners_view_does_not_rank_on_bwt_a_row_that_learned_nothing(tmp_path):
     assert alone.loc["BWT", "Best"] == "–"
 
 
-def test_winners_view_names_the_best_row_and_those_not_told_apart_from_it(tmp_path):
-    """a: Last 87.5; b: 81.25 (one item fewer kept: not told apart from a); c: 50
-    (told apart); a reference row scoring higher is never the best, nor a row of
-    another profile. Mutations caught: the best taken by the lowest mean, reference
-    rows ranked, tied rows listed without the interval test, the cheapest taken as
-    the largest, all profiles ranked together."""
-    from cl_bench.report.leaderboard import build_winners_table
+def _winner_runs(runs_dir):
+    """a: Last 87.5; b: 81.25 (one item fewer kept than a); c: 50; r: a reference
+    scoring 100; x: 100 in another profile."""
     from test_intervals import make_record, write_run
 
     forgets = {(0, 0): [100] * 8, (0, 1): [100] * 4 + [0] * 4, (1, 0): [0] * 8, (1, 1): [100] * 8}
@@ -427,11 +423,36 @@ def test_winners_view_names_the_best_row_and_those_not_told_apart_from_it(tmp_pa
                       profile="cpu-long" if name == "x" else "cpu", reference=reference, model={"id": "tiny-llama", "n_params": 10}, params=params,
                       summary={"last_acc": sum(sum(scores[(1, j)]) / 8 for j in (0, 1)) / 2, "stage_acc": 0.0,
                                "bwt": 0.0}, timing={"total_s": {"a": 600, "b": 60, "c": 120, "r": 1, "x": 1}[name]})
-        write_run(tmp_path / name, record, preds)
-    table = build_winners_table(load_runs(tmp_path))
+        write_run(runs_dir / name, record, preds)
+    return load_runs(runs_dir)
+
+
+def test_winners_view_names_the_best_row_and_those_not_told_apart_from_it(tmp_path):
+    """a: Last 87.5; b: 81.25 (one item fewer kept: not told apart from a); c: 50
+    (told apart); a reference row scoring higher is never the best, nor a row of
+    another profile. Mutations caught: the best taken by the lowest mean, reference
+    rows ranked, tied rows listed without the interval test, the cheapest taken as
+    the largest, all profiles ranked together."""
+    from cl_bench.report.leaderboard import build_winners_table
+
+    table = build_winners_table(_winner_runs(tmp_path))
     assert table[table["Runs"].str.startswith("cpu-long")]["Best"].tolist()[0] == "replay"
     df = table[table["Runs"].str.startswith("cpu,")].set_index("On")
     assert df.loc["Last Acc", "Best"] == "lora" and df.loc["Last Acc", "Value"].startswith("87.5 [")
     assert df.loc["Last Acc", "Not distinguishable from it"] == "ewc"
     assert (df.loc["Added (lowest)", "Best"], df.loc["Added (lowest)", "Value"]) == ("seqft", "0")
     assert (df.loc["Wall time (lowest)", "Best"], df.loc["Wall time (lowest)", "Value"]) == ("ewc", "1.0 min")
+
+
+def test_winners_view_takes_the_lowest_row_where_lower_is_better(tmp_path, monkeypatch):
+    """The winners read `higher_is_better` from the summary table: with Last Acc
+    declared lower-is-better, the best row is c (50), not a (87.5). Mutation caught:
+    the best always taken as the highest mean."""
+    from cl_bench.metrics.cl import SUMMARY, Summary
+    from cl_bench.report.leaderboard import build_winners_table, winners
+
+    lower = Summary("last_acc", SUMMARY["last_acc"].label, higher_is_better=False)
+    monkeypatch.setattr(winners, "WINNER_SCORES", (lower,))
+    table = build_winners_table(_winner_runs(tmp_path))
+    df = table[table["Runs"].str.startswith("cpu,")].set_index("On")
+    assert df.loc["Last Acc", "Best"] == "seqft" and df.loc["Last Acc", "Value"].startswith("50.0 [")

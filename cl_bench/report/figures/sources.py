@@ -164,11 +164,11 @@ def build_table(runs) -> "pd.DataFrame":
     magnitudes (Forgetting in score points, Routing JS in bits)."""
     import pandas as pd
 
-    from cl_bench.report.leaderboard import _method_labels, build_rows
+    from cl_bench.report.leaderboard import build_rows, method_labels
 
     df, groups = build_rows(runs)
     rows = []
-    for label, rec, group in zip(_method_labels(df), df.to_dict("records"), groups):
+    for label, rec, group in zip(method_labels(df), df.to_dict("records"), groups):
         out = sources([points(r) for r in group])
         if out is None:
             continue

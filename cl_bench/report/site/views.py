@@ -18,7 +18,7 @@ from cl_bench.record.schema import RunRecord
 from cl_bench.report.text import summary_cells
 
 MISSING = leaderboard.MISSING
-SCORE_STEMS = [stem for _, stem in leaderboard.SCORES]
+SCORE_STEMS = [s.label for s in leaderboard.SCORES]
 
 
 def family(method: str) -> str:

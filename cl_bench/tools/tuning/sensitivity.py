@@ -30,10 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-from cl_bench.metrics.intervals import record_intervals
-from cl_bench.report.leaderboard import _Entry, _group_replicates, _items
 from cl_bench.metrics import bootstrap
+from cl_bench.metrics.cl import summaries
+from cl_bench.metrics.intervals import record_intervals
 from cl_bench.record.io import read_record
+from cl_bench.report.leaderboard.rows import entries, group_replicates
 from cl_bench.tools.tuning import plan
 from cl_bench.tools.tuning.grid import Grid
 
@@ -97,7 +98,7 @@ def figure(table: list[dict], path: Path) -> Path:
     fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols, 2.6 * nrows), squeeze=False)
     for ax, method in zip(axes.flat, methods):
         rates = [r for r in table if r["method"] == method and r["argument"] == "lr"]
-        for key, label, mark in (("last_acc", "Last Acc", "o-"), ("bwt", "BWT", "s--")):
+        for (key, label), mark in zip(((s.key, s.label) for s in summaries("last_acc", "bwt")), ("o-", "s--")):
             done = [r for r in rates if r[key] and r[key][0] is not None]
             x = [r["value"] for r in done]
             y = [r[key][0] for r in done]
@@ -143,7 +144,7 @@ def _by_method(runs: list) -> dict[str, tuple[float, np.ndarray | None]]:
         groups.setdefault(run.method, []).append(run)
     out = {}
     for method, members in groups.items():
-        reps = _group_replicates([_Entry(r, _items(r)) for r in members])
+        reps = group_replicates(entries(members))
         out[method] = (float(np.mean([r.summary["last_acc"] for r in members])),
                        None if reps is None else reps["last_acc"])
     return out

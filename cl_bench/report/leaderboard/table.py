@@ -1,0 +1,92 @@
+"""The leaderboard's rows (rows.py) as text: Markdown (pipe), CSV (raw numbers) or
+LaTeX (booktabs), and the cells the site shows. Formats only; computes nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+from tabulate import tabulate
+
+from cl_bench.errors import UserError
+from cl_bench.report.general import DELTA_G, LIMA, STATS, cell
+from cl_bench.report.leaderboard.rows import COUNTS, EXTRA, MARKS, PARAMS, SCORES
+
+FORMATS = ("md", "csv", "latex")
+MISSING = "–"  # en dash, for md and latex; csv leaves the cell empty
+
+
+def humanise(n) -> str:
+    """134515008 -> '134.5M', 1235814400 -> '1.24B'; missing -> '–'."""
+    if n is None or pd.isna(n):
+        return MISSING
+    n = int(n)
+    for scale, suffix, digits in ((1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)):
+        if abs(n) >= scale:
+            return f"{n / scale:.{digits}f}{suffix}"
+    return str(n)
+
+
+def score_cell(mean, std, lo=None, hi=None) -> str:
+    """'45.0 ± 7.1 [40.2, 49.9]': mean, std over seeds (left out for one run, ddof=1)
+    and the 95% interval (left out when the runs have no predictions)."""
+    if pd.isna(mean):
+        return MISSING
+    text = f"{mean:.1f}" if pd.isna(std) else f"{mean:.1f} ± {std:.1f}"
+    return text if lo is None or pd.isna(lo) else f"{text} [{lo:.1f}, {hi:.1f}]"
+
+
+def display_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
+    """The headers and the formatted cells of every row (the Markdown and LaTeX tables', and the site's)."""
+    headers = ["Method", "Model", "Profile", "Precision", "Tasks", "Runs"] + [s.label for s in SCORES]
+    headers += MARKS + [col for _, col in PARAMS] + EXTRA + ["Wall time (min)"]
+    general = [stem for stem in (DELTA_G, LIMA) if f"{stem} mean" in df.columns]
+    headers += general
+    rows = []
+    for rec, label in zip(df.to_dict("records"), method_labels(df)):
+        method = f"{label} (reference)" if rec["Reference"] else label
+        row = [method, str(rec["Model"]), str(rec["Profile"]), str(rec["Precision"]), str(rec["Tasks"]),
+               str(rec["Runs"])]
+        row += [score_cell(*(rec[f"{s.label} {x}"] for x in ("mean", "std", "lo", "hi"))) for s in SCORES]
+        row += [MISSING if pd.isna(rec[col]) else rec[col] for col in MARKS]
+        row += [humanise(rec[col]) for col in COUNTS[:-1]]
+        row.append(_with_spread(humanise(rec["Added"]), rec["Added std"], humanise))
+        row.append(MISSING if pd.isna(rec["Expansion"]) else
+                   _with_spread(f"{100 * rec['Expansion']:.0f}%", rec["Expansion std"], lambda s: f"{100 * s:.0f}"))
+        wall = rec["Wall time (min)"]
+        row.append(MISSING if pd.isna(wall) else f"{wall:.1f}")
+        row += [cell(stem, *(rec[f"{stem} {x}"] for x in STATS)) for stem in general]
+        rows.append(row)
+    return headers, rows
+
+
+def _with_spread(text: str, std, fmt) -> str:
+    """`text ± fmt(std)` where the seeds differ (std > 0), else `text`."""
+    return text if pd.isna(std) or not std else f"{text} ± {fmt(std)}"
+
+
+def method_labels(df: pd.DataFrame) -> list[str]:
+    """The method's name, followed by "(key=value, ...)" for the arguments that
+    differ between the rows of that method (none when it has one argument set)."""
+    args = [json.loads(a) for a in df["Args"]]
+    labels = []
+    for method, own in zip(df["Method"], args):
+        others = [a for m, a in zip(df["Method"], args) if m == method]
+        keys = sorted({k for a in others for k in set(a) | set(own) if a.get(k) != own.get(k)})
+        shown = ", ".join(f"{k}={own.get(k)}" for k in keys)
+        labels.append(f"{method} ({shown})" if shown else str(method))
+    return labels
+
+
+def format_table(df: pd.DataFrame, fmt: str = "md") -> str:
+    """Render build_table's frame: 'md' (pipe table), 'csv' (raw numbers), 'latex' (booktabs)."""
+    if fmt == "csv":
+        return df.to_csv(index=False, na_rep="")
+    if fmt not in FORMATS:
+        raise UserError(f"unknown leaderboard format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    headers, rows = display_rows(df)
+    align = ["left"] * 4 + ["right"] * (len(headers) - 4)
+    tablefmt = "pipe" if fmt == "md" else "latex_booktabs"
+    # disable_numparse: the cells are already formatted; tabulate would re-round "45.0" to "45"
+    return tabulate(rows, headers, tablefmt=tablefmt, colalign=align, disable_numparse=True) + "\n"
+
