@@ -15,7 +15,7 @@ from typing import Sequence
 Matrix = list[list[float | None]]
 
 
-def _rows(R) -> Matrix:
+def padded_rows(R) -> Matrix:
     """R as lists of float-or-None, short rows padded with None to T columns;
     None and NaN both mean "not evaluated"."""
     rows = [list(row) for row in R]
@@ -38,7 +38,7 @@ def last_acc(R) -> float | None:
     for the Individual-FT reference, whose matrix holds only the diagonal, it
     is mean_j R[j][j].
     """
-    rows = _rows(R)
+    rows = padded_rows(R)
     last = []
     for j in range(_n_tasks(rows)):
         col = [row[j] for row in rows if row[j] is not None]
@@ -57,7 +57,7 @@ def stage_acc(R) -> float | None:
     every task in one stage) has no Stage Acc and gets None, not the R[0][0]
     that reading row 0 as "after task 0" would give.
     """
-    rows = _rows(R)
+    rows = padded_rows(R)
     if len(rows) != _n_tasks(rows):
         return None
     stage_means = []
@@ -74,7 +74,7 @@ def bwt(R) -> float | None:
 
     None unless R is square with T >= 2 and every needed entry present.
     """
-    rows = _rows(R)
+    rows = padded_rows(R)
     t = _n_tasks(rows)
     if t < 2 or len(rows) != t:
         return None
@@ -93,9 +93,9 @@ def fwt(R, zero_shot: Sequence[float | None] | None) -> float | None:
     """
     if zero_shot is None:
         return None
-    rows = _rows(R)
+    rows = padded_rows(R)
     t = _n_tasks(rows)
-    r0 = _rows([zero_shot])[0]
+    r0 = padded_rows([zero_shot])[0]
     if t < 2 or len(rows) < t - 1 or len(r0) < t:
         return None
     pairs = [(rows[j - 1][j], r0[j]) for j in range(1, t)]
@@ -113,7 +113,7 @@ def forgetting(R) -> float | None:
     R[j-1][j] (if scored for FWT) out of the max. None unless R has T >= 2
     rows of T columns and some task j < T-1 has the entries.
     """
-    rows = _rows(R)
+    rows = padded_rows(R)
     t = _n_tasks(rows)
     if t < 2 or len(rows) != t:
         return None
@@ -133,9 +133,9 @@ def learn_gain(R, zero_shot: Sequence[float | None] | None) -> float | None:
     a needed diagonal entry."""
     if zero_shot is None:
         return None
-    rows = _rows(R)
+    rows = padded_rows(R)
     t = _n_tasks(rows)
-    r0 = _rows([zero_shot])[0]
+    r0 = padded_rows([zero_shot])[0]
     if t < 1 or len(rows) != t or len(r0) < t:
         return None
     pairs = [(rows[j][j], r0[j]) for j in range(t)]
@@ -171,7 +171,7 @@ def bwt_split(R, F) -> dict[str, float | None]:
     part is averaged over j < T-1 as BWT is, so format + content = BWT. None where
     BWT is None or a needed F is missing.
     """
-    rows, forms = _rows(R), _rows(F)
+    rows, forms = padded_rows(R), padded_rows(F)
     total = bwt(rows)
     t = _n_tasks(rows)
     if total is None or len(forms) != t or _n_tasks(forms) != t:

@@ -13,7 +13,7 @@ final-row mean) is given. See docs/protocol.md, "Published definitions".
 
 from statistics import fmean
 
-from cl_bench.metrics.cl import _rows
+from cl_bench.metrics.cl import padded_rows
 
 
 def trace_op(R) -> float | None:
@@ -23,7 +23,7 @@ def trace_op(R) -> float | None:
     None when the final row misses a task (the Individual-FT reference, whose rows
     hold one task each). Equals cl.last_acc on a complete lower-triangular run.
     """
-    rows = _rows(R)
+    rows = padded_rows(R)
     if not rows or any(v is None for v in rows[-1]):
         return None
     return fmean(rows[-1])
@@ -39,7 +39,7 @@ def treelora_bwt(R) -> float | None:
     None unless R is square (one stage per task) with the diagonal and the final
     row present.
     """
-    rows = _rows(R)
+    rows = padded_rows(R)
     t = len(rows)
     if t == 0 or len(rows[0]) != t:
         return None

@@ -26,16 +26,17 @@ from tabulate import tabulate
 
 from cl_bench.errors import UserError
 from cl_bench.metrics import trace_scorers
+from cl_bench.metrics.cl import SUMMARY
 from cl_bench.metrics.published import trace_op, treelora_bwt
 from cl_bench.record.io import PREDICTIONS_FILE, read_jsonl
 from cl_bench.record.schema import RunRecord
+from cl_bench.report.leaderboard.table import FORMATS, MISSING
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("md", "csv", "latex")
-MISSING = "–"
 RUN_COLUMNS = ["Run", "Method", "Profile", "Precision", "Tasks"]
-SCORE_COLUMNS = ["OP [TRACE]", "BWT [TreeLoRA]", "Last Acc [cl-bench]", "BWT [cl-bench]"]
+OWN = ("last_acc", "bwt")  # the record's own summaries, shown beside (metrics/cl.py's table)
+SCORE_COLUMNS = ["OP [TRACE]", "BWT [TreeLoRA]"] + [f"{SUMMARY[k].label} [cl-bench]" for k in OWN]
 CELL_TAG = "[TRACE eval]"
 
 
@@ -91,7 +92,7 @@ def _row(run: RunRecord) -> dict:
     summary = run.summary or {}
     row = {"Run": run.run_id, "Method": run.method, "Profile": run.profile, "Precision": run.precision,
            "Tasks": len(run.tasks), "OP [TRACE]": trace_op(R), "BWT [TreeLoRA]": treelora_bwt(R),
-           "Last Acc [cl-bench]": summary.get("last_acc"), "BWT [cl-bench]": summary.get("bwt")}
+           **{f"{SUMMARY[k].label} [cl-bench]": summary.get(k) for k in OWN}}
     row.update({f"{task} {CELL_TAG}": R[-1][j] if R else None for j, task in enumerate(run.tasks)})
     return row
 
