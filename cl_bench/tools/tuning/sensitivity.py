@@ -38,6 +38,8 @@ from cl_bench.report.leaderboard.rows import entries, group_replicates
 from cl_bench.tools.tuning import plan
 from cl_bench.tools.tuning.grid import Grid
 
+SHOWN = summaries("last_acc", "bwt")  # each grid value's scores, from metrics/cl.py's table
+
 
 def _scores(folder: Path) -> dict:
     """Last Acc and BWT of a complete run with their intervals; {} when not done."""
@@ -48,7 +50,7 @@ def _scores(folder: Path) -> dict:
         return {}
     iv = record_intervals(record, folder) or {}
     cis = iv.get("summary_ci") or {}
-    return {key: (record.summary.get(key), *(cis.get(key) or (None, None))) for key in ("last_acc", "bwt")}
+    return {s.key: (record.summary.get(s.key), *(cis.get(s.key) or (None, None))) for s in SHOWN}
 
 
 def rows(grid: Grid, records: plan.Records, decided: dict[str, float]) -> list[dict]:
@@ -63,7 +65,7 @@ def rows(grid: Grid, records: plan.Records, decided: dict[str, float]) -> list[d
             folder, _, _ = plan.point(grid, records, method, args)
             scores = _scores(records.root / folder)
             out.append({"method": method, "argument": arg, "value": args[arg], "base": math.isclose(args[arg], base),
-                        "at": at, "folder": str(folder), "last_acc": scores.get("last_acc"), "bwt": scores.get("bwt")})
+                        "at": at, "folder": str(folder), **{s.key: scores.get(s.key) for s in SHOWN}})
     return out
 
 
@@ -75,13 +77,14 @@ def cell(score) -> str:
 
 
 def format_table(table: list[dict]) -> str:
-    head = "| method | argument | value | Last Acc | BWT | run |\n|---|---|---|---|---|---|\n"
+    head = (f"| method | argument | value | {' | '.join(s.label for s in SHOWN)} | run |\n"
+            f"|---|---|---|{'---|' * len(SHOWN)}---|\n")
     body = []
     for r in table:
         value = f"{r['value']:g}" + (" (base)" if r["base"] else "")
         arg = r["argument"] + ("" if r["at"] is None else f" at lr {r['at']:g}")
-        body.append(f"| {r['method']} | {arg} | {value} | {cell(r['last_acc'])} | {cell(r['bwt'])} | "
-                    f"`{r['folder']}` |")
+        scores = " | ".join(cell(r[s.key]) for s in SHOWN)
+        body.append(f"| {r['method']} | {arg} | {value} | {scores} | `{r['folder']}` |")
     return head + "\n".join(body) + "\n"
 
 
@@ -98,7 +101,7 @@ def figure(table: list[dict], path: Path) -> Path:
     fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols, 2.6 * nrows), squeeze=False)
     for ax, method in zip(axes.flat, methods):
         rates = [r for r in table if r["method"] == method and r["argument"] == "lr"]
-        for (key, label), mark in zip(((s.key, s.label) for s in summaries("last_acc", "bwt")), ("o-", "s--")):
+        for (key, label), mark in zip(((s.key, s.label) for s in SHOWN), ("o-", "s--")):  # one mark a summary
             done = [r for r in rates if r[key] and r[key][0] is not None]
             x = [r["value"] for r in done]
             y = [r[key][0] for r in done]
