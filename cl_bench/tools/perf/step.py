@@ -23,6 +23,7 @@ import torch
 
 from cl_bench import registry
 from cl_bench.run import precision
+from cl_bench.backends.loop import step_key
 from cl_bench.backends.torch_backend import TorchBackend
 from cl_bench.data.encode import IGNORE, collate, epoch_order, steps, tokenize_train
 from cl_bench.errors import UserError
@@ -101,8 +102,7 @@ def step(args) -> dict:
 
             replay = None
             if method.uses_replay and replay_rows:
-                replay = collate(sample_rows(replay_rows, t.micro_batch_size, f"{config.seed}/{stage.label}/0/{i}"),
-                                 pad)
+                replay = collate(sample_rows(replay_rows, t.micro_batch_size, step_key(config.seed, stage, 0, i)), pad)
             timed("task forward and backward", task_pass)
             own = method.step_passes(micros, replay, i)
             for name, fn in own.items():  # a first call outside the clock: the reference cache, say
