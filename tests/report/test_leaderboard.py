@@ -347,7 +347,7 @@ def test_forms_view_splits_each_rows_bwt_into_answer_form_and_content(tmp_path):
     Two seeds of KEEPS pool into one row. Mutations caught: the parts swapped, the
     marks read from the wrong part, the seeds not pooled."""
     from cl_bench.report.leaderboard import build_forms_table, format_forms_table
-    from test_intervals import make_record, write_run
+    from helpers import make_record, write_run
 
     forgets = {(0, 0): [100] * 8, (0, 1): [100] * 4 + [0] * 4, (1, 0): [0] * 8, (1, 1): [100] * 8}
     keeps = {**forgets, (1, 0): [100] * 4 + [0] * 4}
@@ -378,7 +378,7 @@ def test_winners_view_does_not_rank_on_bwt_a_row_that_learned_nothing(tmp_path):
     filter dropped (idle, BWT 0, wins BWT); the line dropped when every row is idle;
     a row without a Gain interval ranked whatever its Gain."""
     from cl_bench.report.leaderboard import build_winners_table
-    from test_intervals import make_record, write_run
+    from helpers import make_record, write_run
 
     half = [100] * 4 + [0] * 4
     idle = {(b, j): half for b in (-1, 0, 1) for j in (0, 1)}
@@ -407,7 +407,7 @@ def test_winners_view_does_not_rank_on_bwt_a_row_that_learned_nothing(tmp_path):
 def _winner_runs(runs_dir):
     """a: Last 87.5; b: 81.25 (one item fewer kept than a); c: 50; r: a reference
     scoring 100; x: 100 in another profile."""
-    from test_intervals import make_record, write_run
+    from helpers import make_record, write_run
 
     forgets = {(0, 0): [100] * 8, (0, 1): [100] * 4 + [0] * 4, (1, 0): [0] * 8, (1, 1): [100] * 8}
     runs = (("a", "lora", {**forgets, (1, 0): [100] * 6 + [0] * 2}, 50, False),
