@@ -68,3 +68,34 @@ def test_the_graph_sees_function_level_imports():
     modules = _modules()
     assert "cl_bench.tools.tuning.tuned" in _imports("cl_bench.tools.tuning.cli", modules["cl_bench.tools.tuning.cli"],
                                                      modules)
+
+
+REPORT, TOOLS = "cl_bench.report", "cl_bench.tools"
+
+
+def _room_breaches(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs against the rooms' rule (docs/ARCHITECTURE.md): the
+    front room and the core never import report/ or tools/; report/ never imports
+    tools/; of the front room only cli.py imports tools/."""
+    bad = []
+    for name, targets in graph.items():
+        own = name.startswith((REPORT, TOOLS))
+        for target in targets:
+            if target.startswith(TOOLS) and not name.startswith(TOOLS) and name != "cl_bench.cli":
+                bad.append((name, target))
+            elif target.startswith(REPORT) and not own and name != "cl_bench.cli":
+                bad.append((name, target))
+    return sorted(bad)
+
+
+def test_no_arrow_runs_from_the_core_into_report_or_tools():
+    """Mutation caught: the sequencer printing the end-of-run screen through
+    report/text itself, or a site page importing a tuning helper from tools/ (both
+    were so once)."""
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert _room_breaches(graph) == []
+    graph["cl_bench.run.sequencer"] = graph["cl_bench.run.sequencer"] | {"cl_bench.report.text"}
+    graph["cl_bench.report.site.sensitivity"] = graph["cl_bench.report.site.sensitivity"] | {"cl_bench.tools.tuning.sensitivity"}
+    assert _room_breaches(graph) == [("cl_bench.report.site.sensitivity", "cl_bench.tools.tuning.sensitivity"),
+                                     ("cl_bench.run.sequencer", "cl_bench.report.text")]

@@ -236,7 +236,7 @@ def versions() -> dict[str, str]:
 
 def git_commit() -> str | None:
     """The project's commit (with '+dirty' when the tree has uncommitted changes)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # the checkout: cl_bench/record/io.py -> the repository
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                              text=True, check=True).stdout.strip()

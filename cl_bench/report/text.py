@@ -23,6 +23,15 @@ def with_ci(value, ci) -> str:
     return f"{value:.1f} [{ci[0]:.1f}, {ci[1]:.1f}]" if ci else _fmt(value)
 
 
+def point_and_interval(score) -> str:
+    """A (point, lo, hi) triple as "p [lo, hi]" to one decimal; "not run" for none
+    (the sensitivity table and its site page)."""
+    if not score or score[0] is None:
+        return "not run"
+    point, lo, hi = score
+    return f"{point:.1f}" + ("" if lo is None else f" [{lo:.1f}, {hi:.1f}]")
+
+
 def summary_cells(record: RunRecord, intervals: dict | None, shown=SUMMARIES) -> list[tuple[Summary, str]]:
     """(summary, '23.5 [18.1, 29.0]') for each of `shown` that the run has: the
     intervals' point where they hold one (BWT's format and content parts), else the record's."""

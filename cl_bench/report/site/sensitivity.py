@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from cl_bench.errors import UserError
-from cl_bench.tools.tuning.sensitivity import cell
+from cl_bench.report.text import point_and_interval
 
 FILE = "sensitivity.json"
 
@@ -21,7 +21,7 @@ def write_pages(site) -> list[dict]:
             rows = [{"method": r["method"], "argument": r["argument"] + ("" if r["at"] is None else
                                                                          f" at lr {r['at']:g}"),
                      "value": f"{r['value']:g}" + (" (base)" if r["base"] else ""),
-                     "last_acc": cell(r["last_acc"]), "bwt": cell(r["bwt"]), "folder": r["folder"]}
+                     "last_acc": point_and_interval(r["last_acc"]), "bwt": point_and_interval(r["bwt"]), "folder": r["folder"]}
                     for r in data["rows"]]
         except (ValueError, KeyError, TypeError) as e:
             raise UserError(f"{path}: not a sensitivity file ({type(e).__name__}: {e}); write it again with "

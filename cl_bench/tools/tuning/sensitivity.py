@@ -35,6 +35,7 @@ from cl_bench.metrics.cl import summaries
 from cl_bench.metrics.intervals import record_intervals
 from cl_bench.record.io import read_record
 from cl_bench.report.leaderboard.rows import entries, group_replicates
+from cl_bench.report.text import point_and_interval
 from cl_bench.tools.tuning import plan
 from cl_bench.tools.tuning.grid import Grid
 
@@ -69,13 +70,6 @@ def rows(grid: Grid, records: plan.Records, decided: dict[str, float]) -> list[d
     return out
 
 
-def cell(score) -> str:
-    if not score or score[0] is None:
-        return "not run"
-    point, lo, hi = score
-    return f"{point:.1f}" + ("" if lo is None else f" [{lo:.1f}, {hi:.1f}]")
-
-
 def format_table(table: list[dict]) -> str:
     head = (f"| method | argument | value | {' | '.join(s.label for s in SHOWN)} | run |\n"
             f"|---|---|---|{'---|' * len(SHOWN)}---|\n")
@@ -83,7 +77,7 @@ def format_table(table: list[dict]) -> str:
     for r in table:
         value = f"{r['value']:g}" + (" (base)" if r["base"] else "")
         arg = r["argument"] + ("" if r["at"] is None else f" at lr {r['at']:g}")
-        scores = " | ".join(cell(r[s.key]) for s in SHOWN)
+        scores = " | ".join(point_and_interval(r[s.key]) for s in SHOWN)
         body.append(f"| {r['method']} | {arg} | {value} | {scores} | `{r['folder']}` |")
     return head + "\n".join(body) + "\n"
 
