@@ -5,10 +5,12 @@ not evaluated); T = the number of tasks.
 cl-bench's own summaries (cl.py) stay the reference; these differ in divisor or
 clamping, and each names its source.
 
-TRACE's BWT is not here: BeyonderXX/TRACE has no code that computes OP or BWT (its
-evaluation scripts score single cells), and the paper's formula could not be read
-from a source available to this project, so only the OP the issue defines (the
-final-row mean) is given. See docs/protocol.md, "Published definitions".
+TRACE's BWT (trace_bwt) is the paper's formula: BeyonderXX/TRACE has no code that
+computes OP or BWT (its evaluation scripts score single cells). The formula is taken
+as the project's reading notes quote the paper (../shared/docs/reference/
+baselines.md: "TRACE divides by t and includes the zero i=T term", marked there
+for checking against the paper, whose text no source here holds); see
+docs/protocol.md, "Published definitions".
 """
 
 from statistics import fmean
@@ -29,6 +31,30 @@ def trace_op(R) -> float | None:
     return fmean(rows[-1])
 
 
+def trace_bwt(R) -> float | None:
+    """BWT as the TRACE paper writes it (Wang et al., 2023, section 4):
+        BWT_T = (1/T) * sum_{i<=T} (R[T-1][i] - R[i][i])
+    the sum over every task, the last one's own term (always 0) included, divided
+    by T; cl.bwt divides the same sum over i < T-1 by T-1, so on one matrix
+    trace_bwt = (T-1)/T * cl.bwt. Gains are kept (unlike treelora_bwt).
+
+    None unless R is square with the diagonal and the final row present.
+    """
+    pairs = _final_and_diagonal(R)
+    return None if pairs is None else sum(a - b for a, b in pairs) / len(pairs)
+
+
+def _final_and_diagonal(R) -> list[tuple[float, float]] | None:
+    """[(R[T-1][i], R[i][i]) for every task i], or None unless R is square (one stage
+    per task) with the diagonal and the final row present."""
+    rows = padded_rows(R)
+    t = len(rows)
+    if t == 0 or len(rows[0]) != t:
+        return None
+    pairs = [(rows[t - 1][i], rows[i][i]) for i in range(t)]
+    return None if any(a is None or b is None for a, b in pairs) else pairs
+
+
 def treelora_bwt(R) -> float | None:
     """BWT as TreeLoRA's `inference/collect_results.py` (ZinYY/TreeLoRA) computes it:
         (1/T) * sum_{i<T} min(R[T-1][i] - R[i][i], 0)
@@ -39,11 +65,5 @@ def treelora_bwt(R) -> float | None:
     None unless R is square (one stage per task) with the diagonal and the final
     row present.
     """
-    rows = padded_rows(R)
-    t = len(rows)
-    if t == 0 or len(rows[0]) != t:
-        return None
-    pairs = [(rows[t - 1][i], rows[i][i]) for i in range(t)]
-    if any(a is None or b is None for a, b in pairs):
-        return None
-    return sum(min(a - b, 0.0) for a, b in pairs) / t
+    pairs = _final_and_diagonal(R)
+    return None if pairs is None else sum(min(a - b, 0.0) for a, b in pairs) / len(pairs)

@@ -10,10 +10,10 @@ scored: the final row and the diagonal. Columns (SOURCES gives each tag's source
   - OP [TRACE]: metrics.published.trace_op of the TRACE-scored matrix;
   - BWT [TreeLoRA]: metrics.published.treelora_bwt of the same matrix (TreeLoRA's
     collect_results reads TRACE's result files, so its cells are TRACE's);
+  - BWT [TRACE]: metrics.published.trace_bwt of the same matrix, the paper's
+    formula as the project's reference notes quote it (TRACE's code has none);
   - Last Acc, BWT [cl-bench]: the record's own summary, for comparison;
   - <task> [TRACE eval]: the final row's cells, TRACE-scored.
-TRACE's own BWT is not given: no source for its formula could be read (see
-metrics/published.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tabulate import tabulate
 from cl_bench.errors import UserError
 from cl_bench.metrics import trace_scorers
 from cl_bench.metrics.cl import SUMMARY
-from cl_bench.metrics.published import trace_op, treelora_bwt
+from cl_bench.metrics.published import trace_bwt, trace_op, treelora_bwt
 from cl_bench.record.io import PREDICTIONS_FILE, read_jsonl
 from cl_bench.record.schema import RunRecord
 from cl_bench.report.leaderboard.table import FORMATS, MISSING
@@ -36,14 +36,17 @@ log = logging.getLogger(__name__)
 
 RUN_COLUMNS = ["Run", "Method", "Profile", "Precision", "Tasks"]
 OWN = ("last_acc", "bwt")  # the record's own summaries, shown beside (metrics/cl.py's table)
-SCORE_COLUMNS = ["OP [TRACE]", "BWT [TreeLoRA]"] + [f"{SUMMARY[k].label} [cl-bench]" for k in OWN]
+SCORE_COLUMNS = ["OP [TRACE]", "BWT [TRACE]", "BWT [TreeLoRA]"] + [f"{SUMMARY[k].label} [cl-bench]" for k in OWN]
 CELL_TAG = "[TRACE eval]"
 
 
 def sources() -> list[str]:
     """One line per column tag: the definition and the file it comes from."""
     return [
-        "[TRACE] OP = mean_j R[T-1][j], the final row's mean (Wang et al., 2023), on the [TRACE eval] cells.",
+        "[TRACE] OP = mean_j R[T-1][j], the final row's mean, and BWT = (1/T) sum_{i<=T} (R[T-1][i] - R[i][i]), "
+        "the last task's zero term included (the TRACE paper, Wang et al., 2023, as the project's reference notes "
+        "quote it: not checked against the paper's text here; TRACE's code computes neither), on the "
+        "[TRACE eval] cells.",
         "[TreeLoRA] BWT = (1/T) sum_i min(R[T-1][i] - R[i][i], 0), gains clamped to 0 "
         "(ZinYY/TreeLoRA inference/collect_results.py), on the [TRACE eval] cells.",
         "[TRACE eval] each cell as BeyonderXX/TRACE metrics.py and evaluations/eval_*.py score it: rouge==1.0.1 "
@@ -52,8 +55,6 @@ def sources() -> list[str]:
         "[cl-bench] the run record's summary: Last Acc (each task's last score, averaged: the final-row mean "
         "on a complete run) and BWT = (1/(T-1)) sum_{i<T-1} "
         "(R[T-1][i] - R[i][i]), cl-bench's scorers.",
-        "TRACE's own BWT is not shown: its repository has no code for it and its formula could not be "
-        "read from a source (docs/protocol.md, Published definitions).",
     ]
 
 
@@ -91,7 +92,8 @@ def _row(run: RunRecord) -> dict:
     R = trace_matrix(run, predictions)
     summary = run.summary or {}
     row = {"Run": run.run_id, "Method": run.method, "Profile": run.profile, "Precision": run.precision,
-           "Tasks": len(run.tasks), "OP [TRACE]": trace_op(R), "BWT [TreeLoRA]": treelora_bwt(R),
+           "Tasks": len(run.tasks), "OP [TRACE]": trace_op(R), "BWT [TRACE]": trace_bwt(R),
+           "BWT [TreeLoRA]": treelora_bwt(R),
            **{f"{SUMMARY[k].label} [cl-bench]": summary.get(k) for k in OWN}}
     row.update({f"{task} {CELL_TAG}": R[-1][j] if R else None for j, task in enumerate(run.tasks)})
     return row

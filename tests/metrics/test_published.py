@@ -3,7 +3,7 @@
 import pytest
 
 from cl_bench.metrics.cl import bwt
-from cl_bench.metrics.published import trace_op, treelora_bwt
+from cl_bench.metrics.published import trace_bwt, trace_op, treelora_bwt
 
 N = None
 # 3 tasks. Task 0: 80 -> 60 (drop 20); task 1: 70 -> 75 (gain 5); task 2: 50 (its own stage).
@@ -40,3 +40,16 @@ def test_treelora_bwt_is_zero_when_every_task_improves():
 def test_treelora_bwt_needs_a_square_matrix():
     assert treelora_bwt([[60, 75, 50]]) is None
     assert treelora_bwt([[80, N], [N, 70]]) is None  # final row misses task 0
+
+
+def test_trace_bwt_keeps_gains_and_divides_by_t():
+    """Mutations caught: dividing by T-1 (cl-bench's), clamping gains (TreeLoRA's)."""
+    # (60-80) + (75-70) + (50-50) = -15; / T = 3 -> -5
+    assert trace_bwt(R) == pytest.approx(-5.0)
+    assert trace_bwt(R) == pytest.approx(2 / 3 * bwt(R))  # (T-1)/T of cl-bench's
+    assert trace_bwt([[10, N], [30, 40]]) == pytest.approx(10.0)  # a gain of 20, / 2
+
+
+def test_trace_bwt_needs_a_square_matrix():
+    assert trace_bwt([[60, 75, 50]]) is None
+    assert trace_bwt([[80, N], [N, 70]]) is None

@@ -46,6 +46,8 @@ def test_scores_come_from_the_trace_rescored_cells(tmp_path):
     assert row["OP [TRACE]"] == pytest.approx(25.0)
     # TreeLoRA: (min(0 - 50, 0) + min(50 - 50, 0)) / T = -50 / 2 = -25
     assert row["BWT [TreeLoRA]"] == pytest.approx(-25.0)
+    # TRACE's paper: ((0 - 50) + (50 - 50)) / T = -25 (no gain here to tell it from TreeLoRA's)
+    assert row["BWT [TRACE]"] == pytest.approx(-25.0)
     assert row["C-STANCE [TRACE eval]"] == pytest.approx(0.0)
     assert row["NumGLUE-cm [TRACE eval]"] == pytest.approx(50.0)
     # cl-bench's own summary, passed through for comparison
@@ -56,14 +58,14 @@ def test_a_run_without_predictions_shows_dashes_and_the_sources(tmp_path):
     write_run(tmp_path, "seqft-a")
     write_run(tmp_path, "seqft-b", predictions=False)
     df = published.build_table(load_runs(tmp_path))
-    assert df.loc[1, ["OP [TRACE]", "BWT [TreeLoRA]", "C-STANCE [TRACE eval]"]].isna().all()
+    assert df.loc[1, ["OP [TRACE]", "BWT [TRACE]", "BWT [TreeLoRA]", "C-STANCE [TRACE eval]"]].isna().all()
     md = published.format_table(df, "md")
     first, second = md.splitlines()[2], md.splitlines()[3]
     assert " 25.00 |" in first
-    assert " -25.00 |" in first and second.count(" – |") == 2 + len(TASKS)  # OP, TreeLoRA BWT, cells
+    assert " -25.00 |" in first and second.count(" – |") == 3 + len(TASKS)  # OP, both BWTs, cells
     assert "ZinYY/TreeLoRA inference/collect_results.py" in md and "BeyonderXX/TRACE metrics.py" in md
     csv = published.format_table(df, "csv")
-    assert csv.splitlines()[0].startswith("Run,Method,Profile,Precision,Tasks,OP [TRACE],BWT [TreeLoRA]")
+    assert csv.splitlines()[0].startswith("Run,Method,Profile,Precision,Tasks,OP [TRACE],BWT [TRACE],BWT [TreeLoRA]")
     assert "TreeLoRA inference" not in csv  # raw numbers, no legend
 
 
@@ -73,5 +75,5 @@ def test_cli_view_published_prints_the_table(tmp_path, capsys):
     write_run(tmp_path, "seqft-a")
     assert run_cli("leaderboard", "--runs", tmp_path, "--view", "published", "--format", "csv") == 0
     header, row = capsys.readouterr().out.splitlines()
-    assert header.startswith("Run,Method,Profile,Precision,Tasks,OP [TRACE],BWT [TreeLoRA]")
-    assert row.startswith("seqft-a,seqft,cpu,") and ",25.0,-25.0," in row
+    assert header.startswith("Run,Method,Profile,Precision,Tasks,OP [TRACE],BWT [TRACE],BWT [TreeLoRA]")
+    assert row.startswith("seqft-a,seqft,cpu,") and ",25.0,-25.0,-25.0," in row
