@@ -31,11 +31,27 @@ def test_duplicate_name_is_refused():
         registry.register_method("zz-test-dup")(B)
 
 
-def test_a_method_one_test_registers_is_gone_in_the_next():
-    """Runs after test_duplicate_name_is_refused (file order), which registered 'zz-test-dup':
-    the autouse fixture in tests/conftest.py restored the registry between them.
-    Mutation caught: that fixture removed (the name leaks into every later test)."""
-    assert "zz-test-dup" not in registry._METHODS and "zz-test-dup" not in registry.available()
+@pytest.mark.slow
+def test_a_method_one_test_registers_is_gone_in_the_next(tmp_path):
+    """Two tests in a pytest session of their own, under this suite's conftest.py: the
+    first registers a method, the second must not see it. Mutation caught: the
+    autouse fixture in tests/conftest.py removed (the name leaks into the next test)."""
+    (tmp_path / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
+    (tmp_path / "test_leak.py").write_text(textwrap.dedent("""
+        from cl_bench import registry
+        from cl_bench.method import Method
+
+        def test_registers():
+            registry.register_method("zz-test-leak")(type("Leak", (Method,), {}))
+            assert "zz-test-leak" in registry.available()
+
+        def test_sees_it_gone():
+            assert "zz-test-leak" not in registry.available()
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and "2 passed" in out.stdout, out.stdout[-2000:]
 
 
 def test_only_method_subclasses_register():
