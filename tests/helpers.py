@@ -4,6 +4,7 @@ the synthetic TRACE tree and the CLI, a method set up on the tiny random Llama
 Importable from every folder under tests/ (`pythonpath` in pyproject.toml)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -363,3 +364,17 @@ def write_run(folder, record, preds):
     (folder / "run.json").write_text(json.dumps(record))
     (folder / "predictions.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preds))
     return folder
+
+
+def file_digests(folder: Path) -> dict[str, str] | None:
+    """Every file under `folder` -> its sha256 (None for no folder): equal before and
+    after means nothing already written changed."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()} if folder.exists() else None
+
+
+def one_line_error(capsys) -> str:
+    """What the command wrote to stderr, asserted to be one line with no traceback."""
+    err = capsys.readouterr().err.strip()
+    assert err and "\n" not in err and "Traceback" not in err, err
+    return err

@@ -203,8 +203,7 @@ class BilevelCKA(Method):
         n_rows = sum(len(b["input_ids"]) for b in batches)
         return init, guidance_record(raw, s, measured, depth, source, n_rows)
 
-    def _measure_drift(self, stage: Stage, before: dict[int, torch.Tensor], batches: list[dict],
-                       source: str) -> None:
+    def _measure_drift(self, before: dict[int, torch.Tensor], batches: list[dict], source: str) -> None:
         """Keep 1 - CKA per candidate layer between `before` and the model as it is now,
         on `batches`, for the next task's depth term."""
         after = layer_outputs(self.model, self._depth_features, batches, self._autocast)
@@ -308,7 +307,7 @@ class BilevelCKA(Method):
                 batches = self._probe_batches(examples, stage, "drift")
                 if batches:
                     before = layer_outputs(self.model, self._depth_features, batches, self._autocast, self._pre0)
-                    self._measure_drift(stage, before, batches, "task 0's replay items, before and after task 0")
+                    self._measure_drift(before, batches, "task 0's replay items, before and after task 0")
             self._pre0 = None
             return
         if task.logits is None:
@@ -325,7 +324,7 @@ class BilevelCKA(Method):
         self._finalise(expand)
         if before is not None:
             lima = " and Lima" if self.ctx.config.replay.lima else ""
-            self._measure_drift(stage, before, batches, f"replay items of tasks 0..{stage.index - 1}{lima}, "
+            self._measure_drift(before, batches, f"replay items of tasks 0..{stage.index - 1}{lima}, "
                                                         f"before and after task {stage.index}")
 
     def _finalise(self, expand: torch.Tensor) -> None:

@@ -8,7 +8,6 @@ built once: one with a zero-shot row and two of its three stages done, one
 stopped inside stage 2 with an in-stage checkpoint."""
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import shutil
@@ -18,7 +17,7 @@ import torch
 
 from cl_bench.record import io as results
 from cl_bench.run import checkpoint
-from helpers import interrupted_run, make_trace, only_run, run_cli, smoke_args
+from helpers import file_digests, interrupted_run, make_trace, only_run, run_cli, smoke_args
 from shape_mutations import mutate
 
 N_MUTATIONS = 40
@@ -54,11 +53,6 @@ def in_stage_run(tmp_path_factory):
     return only_run(root / "runs")
 
 
-def _tree(folder):
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 def _copy(valid_run, tmp_path, i):
     run_dir = tmp_path / str(i) / "r"
     shutil.copytree(valid_run, run_dir)
@@ -68,7 +62,7 @@ def _copy(valid_run, tmp_path, i):
 def _outcome(capsys, run_dir, argv, names: str) -> int:
     """Run `argv`; exit 0, or exit 2 with one line naming `names` and the folder
     left as it was. Any exception (a traceback) fails the test."""
-    before = _tree(run_dir)
+    before = file_digests(run_dir)
     capsys.readouterr()
     code = run_cli(*argv)
     err = capsys.readouterr().err.strip()
@@ -76,7 +70,7 @@ def _outcome(capsys, run_dir, argv, names: str) -> int:
     if code == 2:
         assert err and "\n" not in err and "Traceback" not in err, err
         assert names in err and "field " in err, err
-        assert _tree(run_dir) == before
+        assert file_digests(run_dir) == before
     return code
 
 
@@ -204,9 +198,9 @@ def test_each_kind_of_edit_is_refused_in_one_line(valid_run, tmp_path, capsys, e
     (a KeyError or TypeError traceback, or a resume that ran on: exit 0)."""
     run_dir = _copy(valid_run, tmp_path, 0)
     edit(run_dir)
-    before = _tree(run_dir)
+    before = file_digests(run_dir)
     capsys.readouterr()
     assert run_cli(*_resume(run_dir)) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err and "Traceback" not in err, err
-    assert _tree(run_dir) == before
+    assert file_digests(run_dir) == before
