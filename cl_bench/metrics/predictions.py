@@ -2,12 +2,12 @@
 from JSONL and scored with the task's own metric (cl_bench/metrics/scorers.py)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from cl_bench.benchmarks.trace import get_task
 from cl_bench.errors import UserError
 from cl_bench.metrics import scorers
+from cl_bench.record.io import json_lines
 
 
 def score_file(path: Path, task: str, stage: int | None) -> dict:
@@ -23,20 +23,13 @@ def read_predictions(path: Path, task: str, stage: int | None) -> list[dict]:
     """Lines of {"prompt", "prediction", "answer"}; lines that carry "task"/"stage"
     fields (cl-bench's own predictions.jsonl) are filtered to --task/--stage."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise UserError(f"{path}: cannot read predictions ({exc.strerror}); check the path") from None
     except UnicodeDecodeError as exc:
         raise UserError(f"{path}: not UTF-8 text (byte {exc.start}); write the predictions as UTF-8 JSONL") from None
     rows = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{path}:{n}: not valid JSON ({exc.msg}); each line must be one "
-                            f"JSON object") from None
+    for n, row in json_lines(path, text, "each line must be one JSON object"):
         if not isinstance(row, dict):
             raise UserError(f"{path}:{n}: a line must be a JSON object with prompt, prediction, answer")
         for key in ("prompt", "prediction", "answer"):

@@ -15,6 +15,7 @@ import stat
 import subprocess
 import tempfile
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 from cl_bench.errors import UserError, program
@@ -53,6 +54,18 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n" for r in rows))
 
 
+def json_lines(path: Path, text: str, fix: str) -> Iterator[tuple[int, Any]]:
+    """(line number, the JSON value) for each non-blank line of `text`, read from
+    `path`; a line that is not JSON: one line naming it, then `fix`."""
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}:{n}: not valid JSON ({exc.msg}); {fix}") from None
+
+
 def read_jsonl(path: Path, staged: bool = False) -> list[dict]:
     """The JSON objects of a run's .jsonl file, one a line (none if it is absent);
     `staged`: each with an integer "stage". Anything else: one line naming the line."""
@@ -64,14 +77,8 @@ def read_jsonl(path: Path, staged: bool = False) -> list[dict]:
         raise UserError(f"{path}: byte {exc.start} is not UTF-8; the file is damaged: put back the file as "
                         f"cl-bench wrote it, or move the run folder away") from None
     rows = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{path}:{n}: not valid JSON ({exc.msg}); the file is damaged: put back the file as "
-                            f"cl-bench wrote it, or move the run folder away") from None
+    for n, row in json_lines(path, text, "the file is damaged: put back the file as cl-bench wrote it, or move "
+                                         "the run folder away"):
         if not isinstance(row, dict) or staged and (not isinstance(row.get("stage"), int)
                                                     or isinstance(row["stage"], bool)):
             raise UserError(f"{path}:{n}: field stage: each line must be a JSON object with an integer stage; the "
