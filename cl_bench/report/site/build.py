@@ -1,7 +1,7 @@
 """`cl-bench site --runs results --out site/`: the leaderboard and every run as a
 static web site, opened from disk (no server, no network, nothing from a CDN).
 
-Pages (Jinja2 templates in cl_bench/site/templates, plain JS and CSS in static/):
+Pages (Jinja2 templates in cl_bench/report/site/templates, plain JS and CSS in static/):
 
 - index.html: one leaderboard per folder of runs (the runs directly inside it, as
   the README's tables are), each built by leaderboard.build_rows (the marks and

@@ -1,4 +1,4 @@
-"""What the site's pages show, as plain values for the templates (cl_bench/site/templates):
+"""What the site's pages show, as plain values for the templates (cl_bench/report/site/templates):
 leaderboard rows with their sort keys and interval bars, a run's matrix as coloured
 cells with intervals, its summaries, timings and parameters, a comparison's rows,
 and each test item's story over the stages. No I/O here: cl_bench/report/site/build.py reads
