@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default="seqft,lora,replay,upcycle,ewc")
     p.add_argument("--seeds", default="1,2")
     p.add_argument("--epochs", type=int, default=12, help="epochs a task (longer stages: more places to land)")
-    p.add_argument("--out", type=Path, default=Path("soak-runs"))
+    p.add_argument("--out", type=Path, default=Path("soak-runs"), help="a new or empty folder for this soak's runs")
     p.add_argument("--seed", type=int, default=0, help="draws of the signals and their moments")
     p.add_argument("--report", type=Path, default=None)
     moments = p.add_mutually_exclusive_group()
@@ -88,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
                          help="runs with a zero-shot row (eval.zero_shot, 32 test items a task); draw each moment "
                               "inside it: from the record's first write over the twin's zero_shot_s")
     args = p.parse_args(argv)
+    if args.out.exists() and any(args.out.iterdir()):
+        print(f"soak_interrupts: --out {args.out} already holds an earlier soak's runs (their ids would collide); "
+              "give a new --out or remove that folder", file=sys.stderr)
+        return 2
     extra = ZERO_SHOT_ARGS if args.in_zero_shot else ()
     rng = random.Random(args.seed)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -63,6 +63,12 @@ class Where:
             raise self.fail(f"unknown field {prefix}{extra[0]}")
 
 
+def rounded(x, digits: int = 6) -> float:
+    """A float as a method's stage_record stores it in run.json: `digits` decimals
+    (a tensor's item or a numpy scalar taken as a float first)."""
+    return round(float(x), digits)
+
+
 def _to_json(obj) -> dict[str, Any]:
     """A record dataclass as JSON: fields in declared order, nested records
     converted, the optional fields of _OMITTED_WHEN_NONE left out while None."""

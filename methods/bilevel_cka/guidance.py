@@ -41,6 +41,7 @@ from cl_bench.data.encode import collate, tokenize_train
 from cl_bench.method import lm_loss
 from cl_bench.models.moe import decoder_layers
 from cl_bench.data.replay import sample_rows
+from cl_bench.record.schema import rounded
 
 # Letters: L_c candidate layers, K slots (experts per task), n tokens, d width.
 
@@ -155,11 +156,7 @@ def guided_logits(n_layers: int, K: int, init_expand_prob: float, s: torch.Tenso
 def guidance_record(raw: torch.Tensor, s: torch.Tensor, measured: list[float] | None, depth: list[float],
                     source: str, n_rows: int) -> dict[str, Any]:
     """What a guided init was computed from (run.json "params" -> "init" -> "guidance")."""
-    return {"sensitivity": [[_r(x) for x in row] for row in raw.tolist()],
-            "s": [[_r(x) for x in row] for row in s.tolist()],
-            "drift": measured, "depth": [_r(x) for x in depth], "depth_source": source,
+    return {"sensitivity": [[rounded(x) for x in row] for row in raw.tolist()],
+            "s": [[rounded(x) for x in row] for row in s.tolist()],
+            "drift": measured, "depth": [rounded(x) for x in depth], "depth_source": source,
             "probe_rows": n_rows}
-
-
-def _r(x: float) -> float:
-    return round(float(x), 6)

@@ -30,6 +30,7 @@ from cl_bench.eval.probes.cka import linear_cka
 from cl_bench.errors import UserError
 from cl_bench.models.modes import device_of
 from cl_bench.models.moe import decoder_layers
+from cl_bench.record.schema import rounded
 
 from .guidance import expert_owners
 from .search import LayerFeatures, TaskSearch, mean_loss
@@ -75,19 +76,19 @@ def finalise(model: nn.Module, task: TaskSearch, expand: torch.Tensor, active: d
     if check:
         deployed_loss = mean_loss(model, check)
         candidates = list(task.nets)
-        deploy = {"batches": len(check), "supernet_loss": _round(supernet_loss),
-                  "deployed_loss": _round(deployed_loss),
+        deploy = {"batches": len(check), "supernet_loss": rounded(supernet_loss),
+                  "deployed_loss": rounded(deployed_loss),
                   "loss_gap": round(abs(deployed_loss - supernet_loss), 9),
-                  "pair_share": [_round(x) for x in pair_shares(model, candidates, check)]}
+                  "pair_share": [rounded(x) for x in pair_shares(model, candidates, check)]}
     cka_final = None
     if reference is not None:
         final = features.of(task.replay_batch)
-        cka_final = [_round(linear_cka(final[l], reference[l])) for l in features.layers]
+        cka_final = [rounded(linear_cka(final[l], reference[l])) for l in features.layers]
     window = task.every
     probs = None
     if task.logits is not None:
         probs = (task.logits[..., 1] - task.logits[..., 0]).detach().cpu().sigmoid()
-        probs = [[_round(p) for p in row] for row in probs.tolist()]
+        probs = [[rounded(p) for p in row] for row in probs.tolist()]
     return {
         "supernet": args.supernet,
         "mask_init": args.mask_init if task.init is not None else None,
@@ -106,9 +107,9 @@ def finalise(model: nn.Module, task: TaskSearch, expand: torch.Tensor, active: d
         "mask_schedule": {"steps": task.n_steps, "mask_every": task.every, "updates": task.updates,
                           "tau0": args.tau0, "tau_decay": task.decay, "tau_end": task.tau,
                           "mask_lr": args.mask_lr, "mask_lr_eff": task.mask_lr,
-                          "init_gap": None if task.init_gap is None else _round(task.init_gap),
+                          "init_gap": None if task.init_gap is None else rounded(task.init_gap),
                           "mask_reach": args.mask_reach,
-                          "reach": None if task.mask_lr is None else _round(2 * task.updates * task.mask_lr)},
+                          "reach": None if task.mask_lr is None else rounded(2 * task.updates * task.mask_lr)},
         "deploy_check": deploy,
     }
 
@@ -132,7 +133,7 @@ def _init_record(task: TaskSearch, expand: torch.Tensor) -> dict[str, Any] | Non
         return None
     gap = (task.init[..., 1] - task.init[..., 0]).cpu()
     reach = 2 * task.updates * task.mask_lr if task.mask_lr is not None else 0.0
-    return {"gap": [[_round(x) for x in row] for row in gap.tolist()],
+    return {"gap": [[rounded(x) for x in row] for row in gap.tolist()],
             "decisions": (gap > 0).int().tolist(),
             "changed": int(((gap > 0) != expand.cpu()).sum()),
             "within_reach": int((gap.abs() < reach).sum()),
@@ -190,8 +191,4 @@ def _check_decisions(decisions: list, n_tasks: int, n_cand: int, K: int) -> list
 
 
 def _mean_rows(rows: list[list[float]]) -> list[float] | None:
-    return [_round(sum(col) / len(col)) for col in zip(*rows)] if rows else None
-
-
-def _round(x) -> float:
-    return round(float(x), 6)
+    return [rounded(sum(col) / len(col)) for col in zip(*rows)] if rows else None

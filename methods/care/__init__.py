@@ -40,12 +40,13 @@ from cl_bench.models.modes import device_of, eval_mode
 from cl_bench.models.moe import decoder_layers
 from cl_bench.models.params import count
 from cl_bench.models.prompt_pool import PromptPool, masked_mean, prompt_mask, prompt_tokens
+from cl_bench.record.schema import rounded
 from cl_bench.registry import register_method
 
 from .args import ROUTER_INPUTS, UNIFORM_CE_TOL, CareArgs
 from .layer import Adapter, CareMLP, RMSNorm, Triplet, Control, entropy, select_routers, top_k_softmax
 from .pseudo_labels import prompt_key, kmeans, perceiver_loss
-from .record import relative_change, rounded, diagnostics, uniformity
+from .record import relative_change, diagnostics, uniformity
 
 __all__ = ["CaRE", "CareArgs", "UNIFORM_CE_TOL", "ROUTER_INPUTS", "Adapter", "CareMLP", "RMSNorm",
            "Triplet", "entropy", "select_routers", "top_k_softmax", "kmeans", "perceiver_loss"]

@@ -20,6 +20,7 @@ import torch
 
 from cl_bench.data.encode import IGNORE, collate
 from cl_bench.method import Stage
+from cl_bench.record.schema import rounded
 
 from .args import UNIFORM_CE_TOL
 
@@ -82,7 +83,3 @@ def diagnostics(forward: Callable, examples: list[tuple[str, list[dict]]], n_lay
 
 def relative_change(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x - ref).norm() / ref.norm().clamp(min=1e-12))
-
-
-def rounded(x) -> float:
-    return round(float(x), 6)

@@ -32,7 +32,7 @@ from cl_bench.method import Method, Stage
 from cl_bench.methods.cluster_upcycle.args import ClusterUpcycleArgs
 from cl_bench.methods.cluster_upcycle.clustering import add_centroid_groups, calibration_rows, forward_rows
 from cl_bench.methods.cluster_upcycle.experts import cluster_experts, drift_ladder, fit_group, slice_rank_cap
-from cl_bench.methods.cluster_upcycle.records import RoutingStats, rounded
+from cl_bench.methods.cluster_upcycle.records import RoutingStats
 from cl_bench.methods.cluster_upcycle.teacher import (dense_routing, ema_step, sync_ema,
                                                       teacher_logits)
 from cl_bench.models.balancing import balancing_losses
@@ -40,6 +40,7 @@ from cl_bench.models.expert_init import slice_experts
 from cl_bench.models.modes import device_of
 from cl_bench.models.moe import UpcycledMoE, group_sizes, moe_layers, rebuild
 from cl_bench.models.upcycling import grown_param_report, moe_everywhere, moe_settings, train_newest_group
+from cl_bench.record.schema import rounded
 from cl_bench.registry import register_method
 
 __all__ = ["ClusterUpcycle", "ClusterUpcycleArgs", "cluster_experts", "dense_routing", "drift_ladder",

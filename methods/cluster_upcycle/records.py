@@ -15,10 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from cl_bench.models.moe import UpcycledMoE
-
-
-def rounded(x: float, digits: int = 6) -> float:
-    return round(float(x), digits)
+from cl_bench.record.schema import rounded
 
 
 class RoutingStats:
