@@ -43,6 +43,7 @@ def cmd_run(args) -> int:
     stop = args.stop
     from cl_bench import config as cfg
     from cl_bench.run import resume
+    from cl_bench.run.checks import check_config
     from cl_bench.run.prepare import prepare
     from cl_bench.report.text import format_matrix
     from cl_bench.run.sequencer import execute
@@ -51,25 +52,27 @@ def cmd_run(args) -> int:
     if args.resume is None:
         overrides = run_overrides(args)  # its --profile, if given, beats the file's `profile:`
         config = cfg.resolve("cpu", args.config, overrides)
+        checked = check_config(config)  # the method's class looked up once, here; what follows takes `checked`
     else:
         given = [f"--{key.replace('_', '-')}" for key in RUN_CONFIG_FLAGS
                  if getattr(args, key) is not None and getattr(args, key) is not False and getattr(args, key) != []]
         if given:
             raise UserError(f"--resume continues a run with its recorded config; drop {', '.join(given)} "
                             f"(to change them, start a new run)")
-        resuming = resume.recorded(args.resume)  # read and checked once; its config built once
-        config = resuming.config
+        resuming = resume.recorded(args.resume)  # read once before the lock; its config built and checked once
+        checked = resuming.checked
+    config = checked.config
     if args.nproc is not None:
         from cl_bench.backends.launch import launch, must_launch
 
-        if must_launch(args, config):  # this process starts the ranks; each runs this command
-            code, interrupted = launch(args)
+        if must_launch(args.nproc, config):  # this process starts the ranks; each runs this command
+            code, interrupted = launch(args.nproc, args.argv, args.command_line)
             return EXIT_INTERRUPTED if interrupted else code
     stop.check()
     started: list[Path] = []
     named = resuming is None and config.run_id is not None  # by --run-id or the config file
     try:
-        run = prepare(config, resuming, progress=not args.no_progress, command=args.command_line,
+        run = prepare(checked, resuming, progress=not args.no_progress, command=args.command_line,
                       on_start=lambda run_dir, *rest: (started.append(run_dir), _announce(run_dir, *rest)))
     except KeyboardInterrupt:
         from cl_bench.record.io import RUN_FILE

@@ -12,39 +12,36 @@ import sys
 from cl_bench.errors import UserError
 
 
-def must_launch(args, config) -> bool:
+def must_launch(nproc: int, config) -> bool:
     """--nproc N: whether this process must start the N ranks (False: it is one of
-    them). Everything checkable is checked here, once, before N processes start;
-    `config`: the run's (for --resume, the recorded one)."""
-    from cl_bench import registry
-    from cl_bench.backends import check_support
-
-    if args.nproc < 1:
-        raise UserError(f"--nproc {args.nproc}: give at least 1 rank")
+    them). `config`: the run's (for --resume, the recorded one), which passed
+    cl_bench/run/checks.py (the method's support of the backend included); what
+    only the launch can check is checked here, once, before N processes start."""
+    if nproc < 1:
+        raise UserError(f"--nproc {nproc}: give at least 1 rank")
     if config.backend != "deepspeed":
         raise UserError("--nproc starts ranks of the deepspeed backend; add --backend deepspeed")
     if "RANK" in os.environ:
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world != args.nproc:
-            raise UserError(f"--nproc {args.nproc} inside a launch of {world} ranks; drop --nproc "
-                            f"or launch {args.nproc}")
+        if world != nproc:
+            raise UserError(f"--nproc {nproc} inside a launch of {world} ranks; drop --nproc "
+                            f"or launch {nproc}")
         return False
-    check_support(registry.get(config.method), config)
     from cl_bench.backends.deepspeed_backend import ds_config
 
-    ds_config(config, args.nproc, False)  # a conflicting DeepSpeed config file fails here, once
+    ds_config(config, nproc, False)  # a conflicting DeepSpeed config file fails here, once
     return True
 
 
-def launch(args) -> tuple[int, bool]:
-    """Start --nproc ranks of this same command (`args.argv`) through DeepSpeed's
-    launcher; returns only when all have exited: (the launcher's exit code, whether
+def launch(nproc: int, argv: list[str], command_line: str) -> tuple[int, bool]:
+    """Start `nproc` ranks of this same command (`argv`, its arguments; `command_line`,
+    the one the ranks record) through DeepSpeed's launcher; returns only when all have exited: (the launcher's exit code, whether
     a signal stopped them; the ranks said what the interrupt left)."""
     from cl_bench.run import signals
     from cl_bench.backends.deepspeed_backend import free_port
 
-    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.nproc),
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
                 "--master_port", str(free_port()), "--no_local_rank", "--module", "cl_bench.cli"]
-    env = {**os.environ, "CL_BENCH_COMMAND": args.command_line}
-    code, stop = signals.wait_forwarding(signals.start_group([*launcher, *args.argv], env))
+    env = {**os.environ, "CL_BENCH_COMMAND": command_line}
+    code, stop = signals.wait_forwarding(signals.start_group([*launcher, *argv], env))
     return code, stop.fired

@@ -1,4 +1,4 @@
-"""Prepare a run: validate what can be checked without a model, claim (or, for
+"""Prepare a run whose config passed cl_bench/run/checks.py: claim (or, for
 --resume, lock) the run folder, load data and model, set the method up, and
 start the record, or continue the interrupted run where cl_bench/run/resume.py
 says. What it returns, a Run (cl_bench/run/state.py), is what the stage loop
@@ -7,7 +7,6 @@ says. What it returns, a Run (cl_bench/run/state.py), is what the stage loop
 from __future__ import annotations
 
 import dataclasses
-import math
 import secrets
 import shlex
 import sys
@@ -17,20 +16,19 @@ from typing import Any, Callable
 
 import torch
 
-from cl_bench import registry
 from cl_bench.record import io as results
 from cl_bench.run import resume
+from cl_bench.run.checks import Checked
 from cl_bench.run.resume import Resuming
 from cl_bench.run.state import Run
 from cl_bench.eval.probes.representation import RepresentationProbe
 from cl_bench.eval.probes.routing import RoutingProbe
-from cl_bench.backends import Backend, check_support
+from cl_bench.backends import Backend
 from cl_bench.backends import create as create_backend
-from cl_bench.benchmarks.trace import load_benchmark, load_split, resolve_data_dir, resolve_order
-from cl_bench.benchmarks.trace.tasks import CL_TASKS
-from cl_bench.config import RunConfig, check_per_task
+from cl_bench.benchmarks.trace import load_benchmark, load_split, resolve_data_dir
+from cl_bench.config import RunConfig
 from cl_bench.data.encode import Encoder
-from cl_bench.errors import UserError, did_you_mean
+from cl_bench.errors import UserError
 from cl_bench.eval.evaluation import majority_level
 from cl_bench.eval.general.lima import LimaProbe
 from cl_bench.eval.general.lm_eval_tasks import GeneralTasks
@@ -44,22 +42,19 @@ def new_run_id(method: str) -> str:
     return f"{method}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
-def prepare(config: RunConfig, resuming: Resuming | None = None, progress: bool = True,
+def prepare(checked: Checked, resuming: Resuming | None = None, progress: bool = True,
             command: str | None = None, on_start: Callable[..., None] | None = None) -> Run:
-    """Validate, load data and model, set the method up; with `resuming`
-    (resume.recorded), `config` is its recorded one and the run continues where
-    cl_bench/run/resume.py says. Everything that can be checked without a model is
-    checked first. `command`: the command line to record (default: this process's).
+    """Load data and model and set the method up for a config that passed the checks
+    (cl_bench/run/checks.py, check_config); with `resuming` (resume.recorded, whose
+    config is `checked.config`) the run continues where cl_bench/run/resume.py says.
+    `command`: the command line to record (default: this process's).
     `on_start(run_dir, config, method_args, record)`, on the main rank, once the run
-    folder is claimed (or locked, for a resume: `record` is then the recorded one),
-    before data and model load."""
+    folder is claimed (or locked, for a resume: `record` is then the one read under
+    the lock), before data and model load."""
     t_start = time.perf_counter()
     command = command or shlex.join(["cl-bench", *sys.argv[1:]])
-    if resuming is not None:
-        with resume.naming_the_record(resuming.run_dir):
-            method_cls, method_args, data_dir = _checked(config)
-    else:
-        method_cls, method_args, data_dir = _checked(config)
+    config = checked.config
+    data_dir = resolve_data_dir(config.data.data_dir)
     g = config.general  # lm-eval's tasks built offline: a task without local data stops the run here
     general_tasks = GeneralTasks.prepare(g.tasks, g.limit, g.every_stage, config.eval.batch_size) if g.tasks else None
     backend = create_backend(config)  # deepspeed: joins the other ranks
@@ -72,10 +67,10 @@ def prepare(config: RunConfig, resuming: Resuming | None = None, progress: bool 
         run_dir = resuming.run_dir
         backend.on_main(lambda: held.append(results.lock_run(run_dir)))
     try:
+        record, restart = resume.under_lock(resuming) if resuming is not None else (None, False)
         if on_start is not None:
-            backend.on_main(lambda: on_start(run_dir, config, method_args, resuming and resuming.record))
-        run = _prepare_locked(config, resuming, run_dir, method_cls, method_args, data_dir, backend, progress,
-                              command, t_start)
+            backend.on_main(lambda: on_start(run_dir, config, checked.method_args, record))
+        run = _prepare_locked(checked, record, restart, run_dir, data_dir, backend, progress, command, t_start)
     except BaseException:
         for lock in held:
             lock.close()
@@ -85,17 +80,11 @@ def prepare(config: RunConfig, resuming: Resuming | None = None, progress: bool 
     return run
 
 
-def _checked(config: RunConfig) -> tuple[type, Any, Path]:
-    """What can be checked without a model: the method's class, its arguments (`checked`),
-    the data folder."""
-    method_cls, method_args = checked(config)
-    return method_cls, method_args, resolve_data_dir(config.data.data_dir)
-
-
-def _prepare_locked(config, resuming, run_dir, method_cls, method_args, data_dir, backend, progress, command,
-                    t_start) -> Run:
-    """The rest of prepare, under the run folder's lock (released if this raises)."""
-    record, restart = resume.under_lock(resuming) if resuming is not None else (None, False)
+def _prepare_locked(checked, record, restart, run_dir, data_dir, backend, progress, command, t_start) -> Run:
+    """The rest of prepare, under the run folder's lock (released if this raises);
+    `record`, `restart`: --resume's, as resume.under_lock read them (None, False: a
+    new run)."""
+    config = checked.config
     d = config.data
     tasks = load_benchmark(data_dir, d.order, d.n_train, d.n_test, config.seed, d.n_train_per_task,
                            d.n_test_per_task, d.test_split)
@@ -117,7 +106,7 @@ def _prepare_locked(config, resuming, run_dir, method_cls, method_args, data_dir
     encoder = Encoder.from_config(loaded.tokenizer, config.train)
     ctx = MethodContext(config=config, device=device, tokenizer=loaded.tokenizer, all_tasks=tasks,
                         encoder=encoder, replay=replay)
-    method = method_cls(method_args, ctx)
+    method = checked.method_cls(checked.method_args, ctx)
     method.setup(loaded.model)
     stages = method.plan(tasks)
     ctx.n_stages = len(stages)
@@ -127,7 +116,7 @@ def _prepare_locked(config, resuming, run_dir, method_cls, method_args, data_dir
     recorded = record  # --resume: the record as read under the lock
     if record is None or restart:
         first = (command if record.command is None else record.command) if restart else command
-        record = new_record(config, method, method_args, loaded.info, tasks, stages, first, backend)
+        record = new_record(config, method, checked.method_args, loaded.info, tasks, stages, first, backend)
     run = Run(config, run_dir, method, tasks, stages, encoder, backend, record, replay, sources,
               progress=progress and backend.is_main)
     if config.eval.cka_probe:
@@ -135,57 +124,12 @@ def _prepare_locked(config, resuming, run_dir, method_cls, method_args, data_dir
     if config.eval.routing_probe:
         run.routing = RoutingProbe(config.eval.routing_probe)
     run.lima = lima
-    if resuming is None or restart:  # validation, data, model load and method set-up, before the first evaluation
+    if recorded is None or restart:  # validation, data, model load and method set-up, before the first evaluation
         record.timing.prepare_s = round(time.perf_counter() - t_start, 2)
-    if resuming is not None:
+    if recorded is not None:
         resume.take_up(run, recorded, restart, command)
     backend.barrier()  # every rank has read what rank 0 is about to rewrite
     return run
-
-
-def checked(config: RunConfig) -> tuple[type, Any]:
-    """The checks of a config that need neither data nor model (`run`, and `campaign`
-    for every line of its plan): the method, its arguments and backend, the order, the
-    per-task fields, the model's name. Returns (method class, parsed arguments); fills
-    the config's lr schedule from the method's where the config leaves it unset."""
-    method_cls = _method_class(config.method)
-    check_support(method_cls, config)
-    t = config.train  # the lr schedule the run records: the config's, else the method's
-    kind, warmup = method_cls.lr_schedule
-    t.lr_schedule = kind if t.lr_schedule is None else t.lr_schedule
-    t.warmup_ratio = warmup if t.warmup_ratio is None else t.warmup_ratio
-    method_args = method_cls.parse_args(method_cls.args_for(config))
-    for key, lr in dataclasses.asdict(method_args).items():  # lr, and any other learning rate (*_lr)
-        if (key == "lr" or key.endswith("_lr")) and isinstance(lr, float) and not (math.isfinite(lr) and lr > 0):
-            raise UserError(f"method_args.{key}={lr} must be a finite number > 0, e.g. --method-arg {key}=3e-4")
-    resolve_order(config.data.order)
-    check_per_task(config, list(CL_TASKS))
-    _check_model(config.model)
-    return method_cls, method_args
-
-
-def _method_class(name: str) -> type:
-    """registry.get, with a hint where only the case is wrong (method names are lower-case)."""
-    try:
-        return registry.get(name)
-    except UserError:
-        names = {key for cls in registry.available().values() for key in (cls.name, *cls.aliases)}
-        if name.lower() == name or name.lower() not in names:
-            raise
-    raise UserError(f"unknown method '{name}'; did you mean '{name.lower()}'? method names are lower-case")
-
-
-def _check_model(spec: str) -> None:
-    """An unknown model name fails here, before any data loads, with the closest
-    built-in name (case-insensitive); the rule is models.loading.load's."""
-    from cl_bench.models.loading import builtin_names
-
-    names = builtin_names()
-    if (spec in names or Path(spec).expanduser().exists()
-            or spec.count("/") == 1 and not spec.startswith((".", "/"))):
-        return
-    raise UserError(f"unknown model '{spec}'; {did_you_mean(spec.lower(), names)}not a built-in name "
-                    f"({', '.join(names)}), an existing directory, or a hub id like 'org/name'")
 
 
 def new_record(config: RunConfig, method: Method, method_args, model_info: dict[str, Any], tasks: list,

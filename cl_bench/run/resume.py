@@ -1,9 +1,11 @@
 """Whether and where a run continues: the one place that decides it.
 
 `cl-bench run --resume DIR` continues a run that is not complete (recorded: its
-record read, checked and its config built once, before anything loads). Under
-the folder's lock the record is read again (under_lock: another process may have
-written it in between), and the run either
+record read, its config built and checked once, before anything loads or --nproc
+starts ranks). Under the folder's lock the record is read again (under_lock:
+another process may have finished or resumed the run in between; the first read
+cannot be under the lock, which rank 0 takes once the backend the config names has
+started), and the run either
 - continues after its last stage checkpoint (restore: the checkpoint comes back
   and the record drops what the interrupted stage wrote after it), or,
 - with no stage checkpoint yet (a stop in stage 1), starts again from stage 1 in
@@ -27,11 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cl_bench.config import RunConfig, build
+from cl_bench.config import build
 from cl_bench.errors import UserError, program
 from cl_bench.record import io as results
 from cl_bench.record.schema import RunRecord
 from cl_bench.run import checkpoint
+from cl_bench.run.checks import Checked, check_config
 from cl_bench.run.checkpoint import CHECKPOINT_DIR, STEP_CHECKPOINT_DIR, InStage
 
 if TYPE_CHECKING:
@@ -43,16 +46,16 @@ log = logging.getLogger(__name__)
 @dataclass
 class Resuming:
     """A run --resume can continue: its folder, its record as read before the folder
-    is locked, and the config built from it."""
+    is locked, and the config built from it, checked."""
 
     run_dir: Path
     record: RunRecord
-    config: RunConfig
+    checked: Checked
 
 
 def recorded(resume_dir: Path) -> Resuming:
     """The run in `resume_dir`, if --resume can continue it (resumable), with its
-    config built from the record. A folder holding only a lock file that no process
+    config built from the record and checked (an error names the record). A folder holding only a lock file that no process
     holds (a start stopped before its first record) says how to start it again."""
     try:
         record = resumable(results.read_record(resume_dir), resume_dir)
@@ -65,13 +68,13 @@ def recorded(resume_dir: Path) -> Resuming:
                                 f"{results.LOCK_FILE} counts as empty)") from None
             results.lock_run(resume_dir).close()  # if so, this names its PID
         raise
-    with naming_the_record(resume_dir):
-        config = build(record.config, f"{resume_dir / results.RUN_FILE}: config")
-    return Resuming(resume_dir, record, config)
+    with _naming_the_record(resume_dir):
+        checked = check_config(build(record.config, f"{resume_dir / results.RUN_FILE}: config"))
+    return Resuming(resume_dir, record, checked)
 
 
 @contextlib.contextmanager
-def naming_the_record(run_dir: Path):
+def _naming_the_record(run_dir: Path):
     """A recorded config that fails a check: the error names the record's file."""
     path = run_dir / results.RUN_FILE
     try:

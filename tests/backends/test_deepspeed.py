@@ -171,13 +171,14 @@ def test_bf16_trains_in_bf16_and_keeps_fp32_weights_between_phases(trace_dir, tm
     master weights; between phases the model is fp32 again and holds the masters, not
     their bf16 copies, so three stages lose no precision at their boundaries."""
     from cl_bench.config import resolve
+    from cl_bench.run.checks import check_config
     from cl_bench.run.prepare import prepare
     from cl_bench.run.sequencer import execute
 
     config = resolve("smoke", None, {"method_args": {"lr": "1e-3"}, "backend": "deepspeed",
                                      "deepspeed": {"bf16": "true"}, "data": {"data_dir": str(trace_dir)},
                                      "output_dir": str(tmp_path / "bf16")})
-    run = prepare(config, progress=False)
+    run = prepare(check_config(config), progress=False)
     record = execute(run)
     assert record.backend["bf16"] is True
     params = list(run.method.model.parameters())
@@ -208,6 +209,7 @@ def test_zero3_trains_added_experts_checkpoints_and_resumes(trace_dir, tmp_path,
     resumed from its gathered checkpoint gives the straight run's numbers; both equal
     the torch backend's."""
     from cl_bench.config import resolve
+    from cl_bench.run.checks import check_config
     from cl_bench.run.prepare import prepare
     from cl_bench.run.sequencer import execute
 
@@ -217,7 +219,7 @@ def test_zero3_trains_added_experts_checkpoints_and_resumes(trace_dir, tmp_path,
                                      "deepspeed": {"zero": "3", "config": str(small_buckets(tmp_path))},
                                      "data": {"data_dir": str(trace_dir)}, "output_dir": str(straight)})
     linear = torch.nn.functional.linear
-    run = prepare(config, progress=False)
+    run = prepare(check_config(config), progress=False)
     execute(run)
     assert torch.nn.functional.linear is linear  # ZeRO-3's own F.linear does not outlive the engine
     from cl_bench.methods.upcycle import Upcycle

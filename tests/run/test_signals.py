@@ -84,6 +84,7 @@ def _swallowed_in(monkeypatch, trace_dir, tmp_path, where: str) -> tuple[object,
     (or batches) ran after that one."""
     from cl_bench.config import resolve
     from cl_bench.methods.seqft import SeqFT
+    from cl_bench.run.checks import check_config
     from cl_bench.run.prepare import prepare
     from cl_bench.run import sequencer
 
@@ -108,7 +109,7 @@ def _swallowed_in(monkeypatch, trace_dir, tmp_path, where: str) -> tuple[object,
         monkeypatch.setattr(sequencer, "evaluate_task", evaluate)
     config = resolve("smoke", None, {"method_args": {"lr": "1e-3"}, "data": {"data_dir": str(trace_dir)},
                                      "output_dir": str(tmp_path / "runs"), "eval": {"batch_size": "2"}})
-    run = prepare(config, progress=False)
+    run = prepare(check_config(config), progress=False)
     with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
         sequencer.execute(run, stop=stop)
     return run.record, len(after)

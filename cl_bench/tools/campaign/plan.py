@@ -98,15 +98,14 @@ def planned(entry: Entry):
     `cl-bench run` checks them (a UserError for flags `run` lacks)."""
     from cl_bench import config as cfg
     from cl_bench.cli_parser import build_parser, run_overrides
-    from cl_bench.run.prepare import checked
+    from cl_bench.run.checks import check_config
 
     try:
         args = build_parser().parse_args(["run", *entry.flags])
     except SystemExit:  # argparse printed why
         raise UserError("these are not `cl-bench run` flags (the message above says which)") from None
     config = cfg.resolve("cpu", args.config, run_overrides(args))
-    _, method_args = checked(config)
-    return config, method_args
+    return config, check_config(config).method_args
 
 
 def drift(record: dict, config, method_args) -> list[str]:
