@@ -216,35 +216,13 @@ def cmd_score(args) -> int:
 
 
 def cmd_params(args) -> int:
-    from cl_bench.models.params import format_schedule, params_command
+    from cl_bench.models.params import format_schedule, load_decisions, params_command
 
-    decisions = _decision_map(args.decisions) if args.decisions is not None else None
+    decisions = load_decisions(args.decisions) if args.decisions is not None else None
     rows = params_command(args.model, args.method, args.tasks, dict(args.method_arg),
                           decisions=decisions, experts_per_layer=args.experts_per_layer)
     print(json.dumps(rows, indent=2) if args.json else format_schedule(rows))
     return 0
-
-
-def _decision_map(path: Path) -> list:
-    """--decisions: a run record (its folder, or its run.json), read by the one
-    reader: each stage's diagnostics "decisions"; otherwise a map file
-    (models.params.load_decisions)."""
-    from cl_bench.models.params import load_decisions
-    from cl_bench.record.io import RUN_FILE, read_record
-
-    if not path.is_dir():
-        try:
-            data = json.loads(path.read_text(encoding="utf-8")) if path.name == RUN_FILE else None
-        except (OSError, ValueError):
-            data = None  # load_decisions says what is wrong with it
-        if not (isinstance(data, dict) and "schema_version" in data):
-            return load_decisions(path)
-    record = read_record(path if path.is_dir() else path.parent)
-    decisions = [p.diagnostics.get("decisions") for p in record.params]
-    if any(d is None for d in decisions[1:]):
-        raise UserError(f"--decisions {path}: the record has stages without decisions "
-                        f"(its method records no Expand / Recycle decisions?)")
-    return decisions
 
 
 def cmd_perf(args) -> int:

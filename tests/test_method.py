@@ -97,12 +97,12 @@ def test_stage_steps_count_the_steps_the_sequencer_batches():
     from cl_bench.config import TrainConfig
     from cl_bench.data.encode import Encoder, steps
     from cl_bench.models.loading import byte_tokenizer
-    from cl_bench.run.sequencer import _epochs
+    from cl_bench.run.sequencer import epoch_rows
 
     example = SimpleNamespace(prompt="p", answer="a")
     tasks = [SimpleNamespace(name="a", train=[example] * 5), SimpleNamespace(name="b", train=[example] * 3)]
     config = RunConfig(train=TrainConfig(batch_size=2, micro_batch_size=1, epochs=1, epochs_per_task={"a": 3}))
     stage = Stage(0, tasks, "a+b")
     run = SimpleNamespace(config=config, encoder=Encoder(byte_tokenizer(), 8, 4, "head_tail", 2), cache_dir=None)
-    made = sum(len(list(steps(rows, list(range(len(rows))), 2, 1, 0))) for rows in _epochs(run, stage))
+    made = sum(len(list(steps(rows, list(range(len(rows))), 2, 1, 0))) for rows in epoch_rows(run, stage))
     assert MethodContext(config, torch.device("cpu"), None).stage_steps(stage) == made == 10

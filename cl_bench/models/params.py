@@ -79,25 +79,38 @@ def schedule_report(model: str | nn.Module, method: str, n_tasks: int,
 
 
 def load_decisions(path: str | Path) -> list:
-    """A decision map from a JSON file: [task][layer][slot] of 0/1 for tasks 1..T-1
-    (a leading null for task 0 may stand first), or a run record (run.json), whose
-    params hold each stage's `decisions`."""
+    """`--decisions`: a decision map [task][layer][slot] of 0/1 for tasks 1..T-1 (a
+    leading null for task 0 may stand first), from a JSON file of it, or from a run
+    record, its folder or its run.json, read by the one reader (record/io.read_record):
+    each stage's diagnostics "decisions". A JSON object without a schema version is
+    read as a record whose params hold each stage's `decisions`."""
+    from cl_bench.record.io import RUN_FILE, read_record
+
     path = Path(path)
+    if path.is_dir():
+        return _decided([p.diagnostics.get("decisions") for p in read_record(path).params], path)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise UserError(f"--decisions {path}: cannot read it as JSON ({exc})") from None
+    if isinstance(data, dict) and "schema_version" in data and path.name == RUN_FILE:
+        return _decided([p.diagnostics.get("decisions") for p in read_record(path.parent).params], path)
     if isinstance(data, dict):
         if not isinstance(data.get("params"), list):
             raise UserError(f"--decisions {path}: a JSON object must be a run record with 'params'; "
                             f"otherwise give a list [task][layer][slot] of 0/1")
-        data = [row.get("decisions") for row in data["params"]]
-        if any(d is None for d in data[1:]):
-            raise UserError(f"--decisions {path}: the record has stages without decisions "
-                            f"(its method records no Expand / Recycle decisions?)")
+        data = _decided([row.get("decisions") for row in data["params"]], path)
     if not isinstance(data, list):
         raise UserError(f"--decisions {path}: expected a list [task][layer][slot] of 0/1")
     return data
+
+
+def _decided(decisions: list, path: Path) -> list:
+    """A record's decisions, stage by stage: every stage after the first has some."""
+    if any(d is None for d in decisions[1:]):
+        raise UserError(f"--decisions {path}: the record has stages without decisions "
+                        f"(its method records no Expand / Recycle decisions?)")
+    return decisions
 
 
 def params_command(model: str, method: str, tasks: int,

@@ -233,7 +233,7 @@ def _train_phase(run: Run, stage: Stage, index: int, phase: Phase, desc: str, lo
     taken before `start` included. Step log rows go to `log_rows`, tagged with the
     phase when `tag`."""
     method = run.method
-    epochs = _epochs(run, stage)
+    epochs = epoch_rows(run, stage)
     replay_rows, replayed = None, 0
     if method.uses_replay and phase.replay and len(run.replay):
         rows = list(tokenize_train(run.encoder, run.replay.examples(), run.cache_dir))
@@ -277,8 +277,11 @@ def _train_phase(run: Run, stage: Stage, index: int, phase: Phase, desc: str, lo
     return n_steps, replayed
 
 
-def _epochs(run: Run, stage: Stage) -> list[list[dict]]:
-    """Rows of each epoch: a task joins epoch e while e < its epoch count (epoch_members)."""
+def epoch_rows(run: Run, stage: Stage) -> list[list[dict]]:
+    """Rows of each epoch of `stage`, as the phase trains them: a task joins epoch e
+    while e < its epoch count (epoch_members); each epoch's rows are batched together.
+    MethodContext.stage_steps counts the same steps without tokenising
+    (tests/test_method.py holds the two together)."""
     rows = [list(tokenize_train(run.encoder, t.train, run.cache_dir)) for t in stage.tasks]
     members = epoch_members([run.config.train.epochs_for(t.name) for t in stage.tasks])
     return [[row for i in tasks for row in rows[i]] for tasks in members]

@@ -48,15 +48,25 @@ def test_local_directory_round_trip(tmp_path):
     assert again.info["sha256"]
 
 
-def test_quiet_loading_silences_transformers_bars_and_restores_them():
+def test_quiet_loading_silences_transformers_bars_and_restores_them(tmp_path, monkeypatch):
+    """load(progress=False) reads the weights with transformers' bars off (its logging
+    switch, and the GGUF reader's own tqdm, deaf to that switch) and leaves both as it
+    found them; progress=True leaves them on."""
+    import transformers
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
-    from cl_bench.models.loading import _bars
+    tiny = load("tiny-llama", 3)
+    tiny.model.save_pretrained(tmp_path)
+    tiny.tokenizer.save_pretrained(tmp_path)
+    original, real, seen = gguf_utils.tqdm, transformers.AutoModelForCausalLM.from_pretrained, []
 
-    original = gguf_utils.tqdm
-    with _bars(True):
+    def reading(*args, **kwargs):  # the bars as the weights are read
+        seen.append((hf_logging.is_progress_bar_enabled(), gguf_utils.tqdm([]).disable))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", reading)
+    for progress in (True, False):
+        load(str(tmp_path), 0, progress=progress)
         assert gguf_utils.tqdm is original and hf_logging.is_progress_bar_enabled()
-    with _bars(False):
-        assert gguf_utils.tqdm([]).disable and not hf_logging.is_progress_bar_enabled()
-    assert gguf_utils.tqdm is original and hf_logging.is_progress_bar_enabled()
+    assert seen == [(True, False), (False, True)]

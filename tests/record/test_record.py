@@ -105,13 +105,13 @@ def test_a_damaged_record_fails_in_one_line_naming_the_file_and_the_version(tmp_
 
 
 def test_params_decisions_reads_a_schema_2_record_by_the_one_reader(tmp_path):
-    from cl_bench.cli import _decision_map
+    from cl_bench.models.params import load_decisions
 
     maps = [[[1, 0]], [[0, 1]]]
     rows = [{"stage": 0, "diagnostics": {}}] + [{"stage": b + 1, "diagnostics": {"decisions": m}}
                                                  for b, m in enumerate(maps)]
     folder = write(tmp_path / "r", minimal(schema_version=2, params=rows))
-    assert _decision_map(folder) == _decision_map(folder / "run.json") == [None, *maps]
+    assert load_decisions(folder) == load_decisions(folder / "run.json") == [None, *maps]
     write(tmp_path / "dense", minimal(schema_version=2, params=rows[:1] * 2))
     with pytest.raises(UserError, match="stages without decisions"):
-        _decision_map(tmp_path / "dense")
+        load_decisions(tmp_path / "dense")

@@ -149,14 +149,14 @@ def test_expert_sharpness_finds_an_eigenpair_of_each_experts_hessian_block(setup
 
 
 def test_lanczos_finds_the_largest_magnitude_eigenvalue_where_power_iteration_stalls():
-    from cl_bench.eval.probes.sharpness import _lanczos_top
+    from cl_bench.eval.probes.sharpness import lanczos_top
 
     g = torch.Generator().manual_seed(0)
     q, _ = torch.linalg.qr(torch.randn(40, 40, generator=g, dtype=torch.float64))
     values = torch.linspace(-1.0, 1.0, 40, dtype=torch.float64)
     values[0], values[-1] = -3.0, 2.9  # a +/- pair of similar size
     matrix = q @ torch.diag(values) @ q.T
-    eig, residual = _lanczos_top(lambda v: (matrix @ v.double()).float(), torch.randn(40, generator=g), 25)
+    eig, residual = lanczos_top(lambda v: (matrix @ v.double()).float(), torch.randn(40, generator=g), 25)
     assert eig == pytest.approx(-3.0, rel=1e-4) and residual < 1e-3
 
 

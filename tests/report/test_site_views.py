@@ -1,6 +1,6 @@
 """The site's views (cl_bench/report/site/views.py) on hand-made values: each test item's
 story over the stages, and the interval bar."""
-from cl_bench.report.site.views import _bar, item_story
+from cl_bench.report.site.views import interval_bar, item_story
 
 LABELS = ["MeetingBank", "Py150", "C-STANCE"]
 
@@ -24,5 +24,5 @@ def test_graded_scores_say_the_numbers():
 
 
 def test_the_bar_places_the_interval_on_the_column_span():
-    assert _bar(20.0, 25.0, 30.0, 0.0, 40.0) == {"left": 50.0, "width": 25.0, "mean": 62.5}
-    assert _bar(None, 25.0, 30.0, 0.0, 40.0) is None
+    assert interval_bar(20.0, 25.0, 30.0, 0.0, 40.0) == {"left": 50.0, "width": 25.0, "mean": 62.5}
+    assert interval_bar(None, 25.0, 30.0, 0.0, 40.0) is None

@@ -221,8 +221,7 @@ while not (d / "ready").exists():
 threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGTERM)).start()
 t0 = time.monotonic()
 code, stop = signals.wait_forwarding(proc, grace=30)
-print(json.dumps({"done": (d / "done").exists(), "alive": signals._group_alive(proc.pid), "fired": stop.fired,
-                  "waited_s": time.monotonic() - t0}))
+print(json.dumps({"done": (d / "done").exists(), "fired": stop.fired, "waited_s": time.monotonic() - t0}))
 """
 
 
@@ -235,7 +234,7 @@ def test_the_launchers_group_gets_the_signal_and_is_waited_for(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.splitlines()[-1])
     assert report.pop("waited_s") < 30  # waited for the rank, not for the grace period
-    assert report == {"done": True, "alive": False, "fired": True}
+    assert report == {"done": True, "fired": True}
 
 
 def _processes_naming(text: str) -> list[int]:

@@ -71,7 +71,7 @@ def expert_sharpness(model: nn.Module, batch: dict[str, torch.Tensor], iters: in
                     return torch.cat([h[e].reshape(-1).float() for h in hv])
 
                 size = sum(p[e].numel() for p in p_layer)
-                eig, residual = _lanczos_top(hvp, torch.randn(size, generator=gen), iters)
+                eig, residual = lanczos_top(hvp, torch.randn(size, generator=gen), iters)
                 out.append({"layer": index, "expert": moe.n_experts - len(group) + e, "token_share": share[e],
                             "grad_norm": grad_norm, "top_hessian_eig": eig, "residual": residual})
         for p, flag in zip(params, flags):
@@ -79,7 +79,7 @@ def expert_sharpness(model: nn.Module, batch: dict[str, torch.Tensor], iters: in
     return out
 
 
-def _lanczos_top(hvp, start: torch.Tensor, steps: int) -> tuple[float, float]:
+def lanczos_top(hvp, start: torch.Tensor, steps: int) -> tuple[float, float]:
     """The eigenvalue of largest magnitude of the symmetric operator `hvp` and its
     Ritz residual, from `steps` Lanczos steps with full reorthogonalisation
     (exact in exact arithmetic once steps reaches the operator's rank)."""

@@ -34,7 +34,7 @@ def _number(value) -> float | None:
     return None if value is None or pd.isna(value) else float(value)
 
 
-def _bar(lo, mean, hi, low: float, high: float) -> dict | None:
+def interval_bar(lo, mean, hi, low: float, high: float) -> dict | None:
     """The interval [lo, hi] and the mean as percentages of the column's span [low, high]."""
     if lo is None or hi is None or mean is None or high <= low:
         return None
@@ -71,7 +71,7 @@ def leaderboard_rows(df: pd.DataFrame, members: list[list[RunRecord]], page_of) 
                 cell["text"] = MISSING if mean is None else f"{mean:.1f}"
                 lo, hi = _number(rec[f"{key} lo"]), _number(rec[f"{key} hi"])
                 cell["detail"] = text if mean is not None else ""
-                cell["bar"] = _bar(lo, mean, hi, *span[key])
+                cell["bar"] = interval_bar(lo, mean, hi, *span[key])
             elif key == "Method":
                 cell["sort"] = str(text)
             elif sort_of.get(key):
