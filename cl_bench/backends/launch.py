@@ -35,8 +35,9 @@ def must_launch(nproc: int, config) -> bool:
 
 def launch(nproc: int, argv: list[str], command_line: str) -> tuple[int, bool]:
     """Start `nproc` ranks of this same command (`argv`, its arguments; `command_line`,
-    the one the ranks record) through DeepSpeed's launcher; returns only when all have exited: (the launcher's exit code, whether
-    a signal stopped them; the ranks said what the interrupt left)."""
+    the one the ranks record) through DeepSpeed's launcher; returns only when all
+    have exited: (the launcher's exit code, whether a signal stopped them; the ranks
+    said what the interrupt left)."""
     from cl_bench.run import signals
     from cl_bench.backends.deepspeed_backend import free_port
 

@@ -45,18 +45,18 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Resuming:
-    """A run --resume can continue: its folder, its record as read before the folder
-    is locked, and the config built from it, checked."""
+    """A run --resume can continue: its folder, and the config built from its record
+    (read before the folder is locked), checked."""
 
     run_dir: Path
-    record: RunRecord
     checked: Checked
 
 
 def recorded(resume_dir: Path) -> Resuming:
     """The run in `resume_dir`, if --resume can continue it (resumable), with its
-    config built from the record and checked (an error names the record). A folder holding only a lock file that no process
-    holds (a start stopped before its first record) says how to start it again."""
+    config built from the record and checked (an error names the record). A folder
+    holding only a lock file that no process holds (a start stopped before its first
+    record) says how to start it again."""
     try:
         record = resumable(results.read_record(resume_dir), resume_dir)
     except UserError:
@@ -70,7 +70,7 @@ def recorded(resume_dir: Path) -> Resuming:
         raise
     with _naming_the_record(resume_dir):
         checked = check_config(build(record.config, f"{resume_dir / results.RUN_FILE}: config"))
-    return Resuming(resume_dir, record, checked)
+    return Resuming(resume_dir, checked)
 
 
 @contextlib.contextmanager
