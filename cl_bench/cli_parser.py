@@ -275,6 +275,9 @@ def _add_perf(sub) -> None:
     p.add_argument("--data-dir")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"],
                    help="eval-profile, eval-speed: the eval precision (default: the cpu profile's)")
+    p.add_argument("--baseline", choices=["plain", "growing-cache"], default="plain",
+                   help="eval-speed: the decoder's baseline: the plain loop it replaced, or itself with "
+                        "transformers' growing KV cache")
     p.add_argument("--output", type=Path, help="also write the result as JSON here")
 
 

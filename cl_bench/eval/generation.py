@@ -14,6 +14,12 @@ What a step costs beyond the model (issue 42; `cl-bench perf eval-profile`):
   CaRE's routing weights), so later steps compute only live rows;
 - the attention mask of every step is a slice of one (B, prompt + budget) mask
   made at the prefill, not a new concatenation;
+- after the prefill, each layer's keys and values move into one (B, heads,
+  prompt + budget - 1, d) buffer (`ReservedLayer`); a step writes its column in
+  place and attention reads the filled part as a view, where transformers' cache
+  (`DynamicLayer`) concatenates, copying every layer's whole cache, every step
+  (`reserve_kv=False` keeps transformers' cache: the baseline of
+  `cl-bench perf eval-speed --baseline growing-cache`);
 - the tokens go into one (B, budget) tensor, read out once at the end, not into
   Python lists row by row.
 Each live row's arithmetic is that of the plain loop (every row to the end,
@@ -27,6 +33,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicLayer
 
 from cl_bench.models.modes import device_of, eval_mode
 
@@ -34,7 +41,7 @@ from cl_bench.models.modes import device_of, eval_mode
 @torch.no_grad()
 def greedy_generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, eos_id: int,
                     pad_id: int, batch_size: int,
-                    on_batch: Callable[[int], None] | None = None) -> list[list[int]]:
+                    on_batch: Callable[[int], None] | None = None, reserve_kv: bool = True) -> list[list[int]]:
     """Greedy continuations (token ids, EOS excluded) for each prompt, in input order."""
     device = device_of(model)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
@@ -44,7 +51,7 @@ def greedy_generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: 
         for start in range(0, len(order), batch_size):
             rows = order[start:start + batch_size]
             for i, gen in zip(rows, _generate_batch(model, [prompts[i] for i in rows], max_new_tokens,
-                                                    eos_id, pad_id, device, row_state)):
+                                                    eos_id, pad_id, device, row_state, reserve_kv)):
                 outputs[i] = gen
             if on_batch is not None:
                 on_batch(len(rows))
@@ -63,7 +70,45 @@ def left_padded(prompts: list[list[int]], pad_id: int, extra: int) -> tuple[torc
     return ids, mask
 
 
-def _generate_batch(model, prompts, max_new_tokens, eos_id, pad_id, device, row_state):
+class ReservedLayer(DynamicLayer):
+    """One layer's keys and values (B, heads, T, d) in buffers with room for `extra` positions
+    beyond those it starts with; `keys` and `values` are views of the filled part."""
+
+    def __init__(self, filled: DynamicLayer, extra: int):
+        super().__init__()
+        self.lazy_initialization(filled.keys, filled.values)
+        b, h, t, _ = filled.keys.shape
+        self.key_buffer = filled.keys.new_empty((b, h, t + extra, filled.keys.shape[-1]))
+        self.value_buffer = filled.values.new_empty((b, h, t + extra, filled.values.shape[-1]))
+        self.filled = 0
+        self.update(filled.keys, filled.values)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        # past the room reserved, the slice is short and the copy fails on its shape
+        start, self.filled = self.filled, self.filled + key_states.shape[-2]
+        self.key_buffer[:, :, start:self.filled] = key_states
+        self.value_buffer[:, :, start:self.filled] = value_states
+        return self._views()
+
+    def _views(self):
+        self.keys = self.key_buffer[:, :, :self.filled]
+        self.values = self.value_buffer[:, :, :self.filled]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
+        self._views()
+
+
+def reserve(cache, extra: int):
+    """`cache` (transformers' after the prefill) with each growing layer moved into a
+    ReservedLayer with room for `extra` more positions; other layer kinds stay as they are."""
+    cache.layers = [ReservedLayer(layer, extra) if type(layer) is DynamicLayer else layer
+                    for layer in cache.layers]
+    return cache
+
+
+def _generate_batch(model, prompts, max_new_tokens, eos_id, pad_id, device, row_state, reserve_kv):
     ids, full_mask = left_padded(prompts, pad_id, max_new_tokens)
     ids, full_mask = ids.to(device), full_mask.to(device)
     width = ids.shape[1]
@@ -74,6 +119,8 @@ def _generate_batch(model, prompts, max_new_tokens, eos_id, pad_id, device, row_
     # Read the name off the output, so wrappers with **kwargs forwards work too.
     cache_arg = "cache" if getattr(out, "cache", None) is not None else "past_key_values"
     cache = getattr(out, cache_arg)
+    if reserve_kv:
+        cache = reserve(cache, max_new_tokens - 1)  # the last token is never fed back
     next_tok = out.logits[:, -1].argmax(-1)  # (b,) for the live rows
     tokens = torch.full((len(prompts), max_new_tokens), eos_id, dtype=torch.long, device=device)  # (B, N)
     live = torch.arange(len(prompts), device=device)  # (b,) the batch row of each live row

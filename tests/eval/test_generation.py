@@ -50,3 +50,34 @@ def test_stopped_rows_leave_the_batch_and_the_others_decode_as_before(precision_
     ps = prompts(tok) + [tok(t).input_ids for t in ["x = 1", "Summarise: the meeting was long"]]
     with precision.evaluation(precision_name, torch.device("cpu"), model):
         assert_decodes_as_the_plain_loop(model, ps, 10, tok.pad_token_id, batch_size=4)
+
+
+def test_keys_and_values_stay_in_the_buffers_reserved_after_the_prefill():
+    """Every step writes into the same buffers, each with exactly the room the budget needs,
+    and decodes what transformers' growing cache decodes.
+    Mutations caught: reserve() not called (transformers' cache: new storage every step);
+    the buffers grown a step (no room reserved); a view one position off (other tokens)."""
+    model, tok, _ = tiny_llama(0)
+    ps, new_tokens = prompts(tok), 8
+    width = max(len(p) for p in ps)
+    seen = []  # per forward: (data pointer, filled length, room) of each layer's keys
+
+    def look(module, args, out):
+        cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+        seen.append([(layer.keys.data_ptr(), layer.keys.shape[-2], layer.keys.untyped_storage().nbytes())
+                     for layer in cache.layers])
+
+    handle = model.register_forward_hook(look)
+    try:
+        ours = greedy_generate(model, ps, new_tokens, -1, tok.pad_token_id, batch_size=4)
+    finally:
+        handle.remove()
+    steps = seen[1:]  # the prefill's cache is transformers' own, moved after the call
+    assert len(steps) == new_tokens - 1
+    for i, layers in enumerate(steps):
+        assert [p for p, _, _ in layers] == [p for p, _, _ in steps[0]]  # the same storage
+        assert {t for _, t, _ in layers} == {width + i + 1}
+    room = steps[0][0][2]  # bytes: B x heads x (width + budget - 1) x d x 4 (fp32)
+    assert room == len(ps) * model.config.num_key_value_heads * (width + new_tokens - 1) \
+        * (model.config.hidden_size // model.config.num_attention_heads) * 4
+    assert ours == greedy_generate(model, ps, new_tokens, -1, tok.pad_token_id, batch_size=4, reserve_kv=False)

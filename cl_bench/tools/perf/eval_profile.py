@@ -15,14 +15,20 @@ eval-profile: the zero-shot row (`--task`, `--n` test items a task, the `cpu`
       decode:  2 x (linear weights + LM head) x rows a step, summed over steps,
     and for decode also the weights read once a step at the measured read rate
     (bytes of the weights at that precision / GB/s of a large tensor sum).
-eval-speed: the same row decoded by cl_bench.eval.generation against the plain loop it
-    replaced (cl_bench/tools/perf/plain_decoding.py), `--repeats` times each, alternating
+eval-speed: the same row decoded by cl_bench.eval.generation against `--baseline`:
+    plain, the loop it replaced (cl_bench/tools/perf/plain_decoding.py), or
+    growing-cache, itself with transformers' KV cache (concatenated a step) instead
+    of the buffers reserved after the prefill; `--repeats` times each, alternating
     which goes first; medians, their ratio, and how many predictions are identical.
 """
 from __future__ import annotations
 
+import functools
+import os
+import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -43,6 +49,10 @@ MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::lin
               "aten::_scaled_dot_product_attention_math", "aten::scaled_dot_product_attention")
 
 
+# what eval-speed times the decoder against (module docstring)
+BASELINES = {"plain": plain_generate, "growing-cache": functools.partial(greedy_generate, reserve_kv=False)}
+
+
 def setup(args, precision_choice: str | None = None):
     """The `cpu` profile's config (eval precision overridden where given), the model, the
     encoder, the zero-shot row's tasks (`--n` test items each) and the torch backend."""
@@ -55,6 +65,19 @@ def setup(args, precision_choice: str | None = None):
              for name in resolve_order(args.task)]
     encoder = Encoder.from_config(loaded.tokenizer, config.train)
     return config, loaded, encoder, tasks, TorchBackend(config, torch.device("cpu"))
+
+
+def machine() -> dict:
+    """The CPU (its name, logical cores, which of the bf16-relevant instruction sets it
+    has, from /proc/cpuinfo where there is one) and the load average now (1, 5, 15 min)."""
+    info = Path("/proc/cpuinfo")
+    text = info.read_text() if info.exists() else ""
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {"cpu": fields.get("model name") or platform.processor(), "logical_cores": os.cpu_count(),
+            "isa": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags],
+            "loadavg": list(os.getloadavg())}
 
 
 class CallTimer:
@@ -178,7 +201,7 @@ def eval_profile(args) -> dict:
 def eval_speed(args) -> dict:
     config, loaded, encoder, tasks, backend = setup(args, args.precision)
     model, prec = loaded.model.eval(), backend.eval_precision
-    generators = {"new": greedy_generate, "plain": plain_generate}
+    generators = {"new": greedy_generate, args.baseline: BASELINES[args.baseline]}
 
     def row(side: str) -> tuple[float, list[str]]:
         t0 = time.perf_counter()
@@ -188,14 +211,17 @@ def eval_speed(args) -> dict:
 
     times: dict[str, list[float]] = {side: [] for side in generators}
     preds: dict[str, list[str]] = {}
+    before = machine()
     for i in range(args.repeats):  # alternate which side goes first
-        for side in (("new", "plain") if i % 2 == 0 else ("plain", "new")):
+        for side in (("new", args.baseline) if i % 2 == 0 else (args.baseline, "new")):
             seconds, preds[side] = row(side)
             times[side].append(seconds)
     median = {side: statistics.median(v) for side, v in times.items()}
     return {"what": "eval-speed", "model": args.model, "profile": "cpu", "precision": prec,
             "tasks": [t.name for t in tasks], "test_items_per_task": args.n,
             "eval_batch_size": config.eval.batch_size, "max_new_tokens_cap": config.eval.max_new_tokens_cap,
-            "seconds": times, "median_s": median, "speedup": median["plain"] / median["new"],
-            "identical_predictions": sum(a == b for a, b in zip(preds["new"], preds["plain"])),
-            "predictions": len(preds["new"]), "torch_threads": torch.get_num_threads()}
+            "baseline": args.baseline, "seconds": times, "median_s": median,
+            "speedup": median[args.baseline] / median["new"],
+            "identical_predictions": sum(a == b for a, b in zip(preds["new"], preds[args.baseline])),
+            "predictions": len(preds["new"]), "torch_threads": torch.get_num_threads(),
+            "machine": {**before, "loadavg": {"start": before["loadavg"], "end": machine()["loadavg"]}}}

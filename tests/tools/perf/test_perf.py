@@ -90,6 +90,26 @@ def test_eval_speed_times_the_decoder_against_the_plain_loop(trace_dir, tmp_path
     rec = json.loads(out.read_text())
     assert rec["predictions"] == rec["identical_predictions"] == 3
     assert len(rec["seconds"]["new"]) == len(rec["seconds"]["plain"]) == 2 and rec["speedup"] > 0
+    assert rec["baseline"] == "plain" and rec["machine"]["logical_cores"] > 0
+    assert len(rec["machine"]["loadavg"]["start"]) == len(rec["machine"]["loadavg"]["end"]) == 3
+
+
+def test_eval_speed_against_the_growing_cache_reserves_on_the_new_side_only(trace_dir, tmp_path, monkeypatch):
+    """Mutation caught: the growing-cache baseline decoding with the reserved buffers too
+    (both sides the same decoder)."""
+    from cl_bench.eval import generation
+
+    reserved = []
+    real = generation.reserve
+    monkeypatch.setattr(generation, "reserve", lambda cache, extra: reserved.append(extra) or real(cache, extra))
+    out = tmp_path / "speed.json"
+    assert run_cli("perf", "eval-speed", "--model", "tiny-llama", "--task", "NumGLUE-cm", "--n", "3",
+                   "--repeats", "2", "--baseline", "growing-cache", "--data-dir", str(trace_dir),
+                   "--output", str(out)) == 0
+    rec = json.loads(out.read_text())
+    assert rec["baseline"] == "growing-cache" and set(rec["seconds"]) == {"new", "growing-cache"}
+    assert rec["predictions"] == rec["identical_predictions"] == 3
+    assert len(reserved) == 2  # one batch of 3, decoded by the new side in each of the 2 repeats
 
 
 def test_train_step_reports_tokens_flops_and_no_mfu_without_a_listed_device(tmp_path):
