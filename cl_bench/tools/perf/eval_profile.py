@@ -20,6 +20,9 @@ eval-speed: the same row decoded by cl_bench.eval.generation against `--baseline
     growing-cache, itself with transformers' KV cache (concatenated a step) instead
     of the buffers reserved after the prefill; `--repeats` times each, alternating
     which goes first; medians, their ratio, and how many predictions are identical.
+    Wall seconds, and this process's CPU seconds (user + system): on a shared machine
+    the other processes' load stretches the wall time of a one-thread pass much more
+    than its CPU time.
 """
 from __future__ import annotations
 
@@ -203,25 +206,30 @@ def eval_speed(args) -> dict:
     model, prec = loaded.model.eval(), backend.eval_precision
     generators = {"new": greedy_generate, args.baseline: BASELINES[args.baseline]}
 
-    def row(side: str) -> tuple[float, list[str]]:
-        t0 = time.perf_counter()
+    def row(side: str) -> tuple[float, float, list[str]]:
+        t0, c0 = time.perf_counter(), time.process_time()
         with precision.evaluation(prec, backend.device, model):
             evals = [evaluate_task(model, encoder, t, config.eval, generate=generators[side]) for t in tasks]
-        return time.perf_counter() - t0, [r["prediction"] for e in evals for r in e.rows]
+        return (time.perf_counter() - t0, time.process_time() - c0,
+                [r["prediction"] for e in evals for r in e.rows])
 
     times: dict[str, list[float]] = {side: [] for side in generators}
+    cpu: dict[str, list[float]] = {side: [] for side in generators}
     preds: dict[str, list[str]] = {}
     before = machine()
     for i in range(args.repeats):  # alternate which side goes first
         for side in (("new", args.baseline) if i % 2 == 0 else (args.baseline, "new")):
-            seconds, preds[side] = row(side)
+            seconds, cpu_seconds, preds[side] = row(side)
             times[side].append(seconds)
+            cpu[side].append(cpu_seconds)
     median = {side: statistics.median(v) for side, v in times.items()}
+    median_cpu = {side: statistics.median(v) for side, v in cpu.items()}
     return {"what": "eval-speed", "model": args.model, "profile": "cpu", "precision": prec,
             "tasks": [t.name for t in tasks], "test_items_per_task": args.n,
             "eval_batch_size": config.eval.batch_size, "max_new_tokens_cap": config.eval.max_new_tokens_cap,
             "baseline": args.baseline, "seconds": times, "median_s": median,
-            "speedup": median[args.baseline] / median["new"],
+            "speedup": median[args.baseline] / median["new"], "cpu_seconds": cpu, "median_cpu_s": median_cpu,
+            "cpu_speedup": median_cpu[args.baseline] / median_cpu["new"],
             "identical_predictions": sum(a == b for a, b in zip(preds["new"], preds[args.baseline])),
             "predictions": len(preds["new"]), "torch_threads": torch.get_num_threads(),
             "machine": {**before, "loadavg": {"start": before["loadavg"], "end": machine()["loadavg"]}}}

@@ -91,6 +91,7 @@ def test_eval_speed_times_the_decoder_against_the_plain_loop(trace_dir, tmp_path
     assert rec["predictions"] == rec["identical_predictions"] == 3
     assert len(rec["seconds"]["new"]) == len(rec["seconds"]["plain"]) == 2 and rec["speedup"] > 0
     assert rec["baseline"] == "plain" and rec["machine"]["logical_cores"] > 0
+    assert all(len(v) == 2 and min(v) > 0 for v in rec["cpu_seconds"].values()) and rec["cpu_speedup"] > 0
     assert len(rec["machine"]["loadavg"]["start"]) == len(rec["machine"]["loadavg"]["end"]) == 3
 
 
