@@ -24,7 +24,7 @@ What a step costs beyond the model (issue 42; `cl-bench perf eval-profile`):
   Python lists row by row.
 Each live row's arithmetic is that of the plain loop (every row to the end,
 pads fed to stopped rows): the kernels compute rows independently, which
-`cl-bench perf eval-speed` and tests/test_generation.py check prediction by
+`cl-bench perf eval-speed` and tests/eval/test_generation.py check prediction by
 prediction against the plain loop (cl_bench/tools/perf/plain_decoding.py).
 """
 from __future__ import annotations
