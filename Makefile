@@ -22,12 +22,17 @@ main: install
 	$(VENV)/bin/cl-bench run --profile cpu --method seqft --output-dir runs
 
 # The whole suite (what .ci/run calls). test-fast: without the tests marked slow
-# (end-to-end runs, launches, the real data; pyproject.toml).
+# (end-to-end runs, launches, the real data; pyproject.toml). Both on two pytest-xdist
+# workers (the test extra), one torch thread each (tests/conftest.py); --dist loadgroup
+# keeps the tests of one xdist_group on one worker, one after another (the multi-rank
+# DeepSpeed launches). A plain `pytest` (no -n) runs the same tests in one process.
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
+
 test: install
-	$(PY) -m pytest -q --durations=15
+	$(PYTEST)
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" --durations=15
+	$(PYTEST) -m "not slow"
 
 # The committed site (site/index.html, linked from the README): the leaderboard and every run
 # of results/, pages linking the run files where they lie. --no-browser: the prediction browser

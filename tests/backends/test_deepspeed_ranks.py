@@ -28,7 +28,8 @@ from cl_bench.run import checkpoint
 from helpers import (assert_same_run, deepspeed_args, interrupted_ds_run, make_trace, only_run, run_cli, smoke_args,
                      small_buckets)
 
-pytestmark = pytest.mark.slow  # two-rank launches, about a minute each
+# two-rank launches, about a minute each; one at a time under xdist (pyproject.toml's markers)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deepspeed-ranks")]
 
 # replay: 2 micro-batches and a replay one per step, so one rank also runs a padding copy
 RUNS = [(method, zero) for method in ("seqft", "lora", "upcycle") for zero in (2, 3)] + [("replay", 2)]

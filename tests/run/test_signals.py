@@ -252,6 +252,7 @@ def _processes_naming(text: str) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("deepspeed-ranks")  # as tests/backends/test_deepspeed_ranks.py
 def test_sigterm_to_a_deepspeed_launch_stops_every_rank_with_one_record(tmp_path):
     trace = make_trace(tmp_path / "trace")
     out = tmp_path / "ds-runs"
