@@ -20,6 +20,25 @@ DATA = Path(__file__).parents[1] / "data" / "general"
 TASKS = f"general.tasks=[{DATA / 'tiny_mc.yaml'},{DATA / 'tiny_gen.yaml'}]"
 
 
+@pytest.fixture(scope="module")
+def index():
+    """lm-eval's task index, built once for this module: TaskManager() reads every YAML under
+    lm_eval/tasks (about 20 s on CI, most of these tests' time), the same index each time."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager()
+
+
+@pytest.fixture
+def one_index(index, monkeypatch):
+    """GeneralTasks.prepare's TaskManager() returns the module's index (it imports the name
+    inside the function, so the patched one); the rest of prepare runs as it is."""
+    import lm_eval.tasks
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda: index)
+
+
 def task(scores: list[float], items: list[str] | None = None) -> dict:
     return {"metric": "acc", "score": sum(scores) / len(scores), "stderr": None, "ci": None, "n": len(scores),
             "items": items or [f"t/{i}" for i in range(len(scores))], "item_scores": scores}
@@ -84,8 +103,7 @@ def test_without_lm_eval_the_extra_is_named(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_hub_task_offline_fails_before_training(trace_dir, tmp_path, capsys):
-    pytest.importorskip("lm_eval")
+def test_a_hub_task_offline_fails_before_training(trace_dir, tmp_path, capsys, one_index):
     out = tmp_path / "runs"
     assert run_cli(*smoke_args(trace_dir, out, "--set", "general.tasks=[piqa]")) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -101,8 +119,7 @@ def test_a_hub_task_offline_fails_before_training(trace_dir, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_local_tasks_run_through_lm_eval_inside_a_smoke_run(trace_dir, tmp_path, capsys):
-    pytest.importorskip("lm_eval")
+def test_local_tasks_run_through_lm_eval_inside_a_smoke_run(trace_dir, tmp_path, capsys, one_index):
     out = tmp_path / "runs"
     assert run_cli(*smoke_args(trace_dir, out, "--set", TASKS, "--set", "general.limit=4")) == 0
     record = results.read_record(only_run(out))
