@@ -81,7 +81,7 @@ def test_killed_process_resumes_to_the_same_matrix(trace_dir, tmp_path):
     import sys
     import time
 
-    slow = ["--set", "train.epochs=60"]  # a few seconds per stage, so the kill lands mid-run
+    slow = ["--set", "train.epochs=20"]  # stages of a few seconds (as test_signals.py LONG), so the kill lands mid-run
     cli = [sys.executable, "-m", "cl_bench.cli"]
     straight = tmp_path / "straight"
     assert run_cli(*smoke_args(trace_dir, straight, *slow)) == 0
