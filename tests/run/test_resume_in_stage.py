@@ -26,7 +26,7 @@ import pytest
 
 from cl_bench.record import io as results
 from cl_bench.run import checkpoint
-from helpers import run_cli, smoke_args
+from helpers import make_trace, run_cli, smoke_args
 
 ROOT = Path(__file__).resolve().parents[2]
 # 4 steps a stage (8 items, 2 a step), an in-stage checkpoint after every step
@@ -87,12 +87,27 @@ CASES = [("seqft", [1, 0, 2]), ("replay", [1, 0, 2]), ("lwf", [1, 0, 2]), ("upcy
          ("bilevel-cka", [1, 0, 2]), ("same", [1, 0, 2]), ("btx", [1, 1, 2]), ("seqft", [0, 0, 2])]
 
 
+@pytest.fixture(scope="module")
+def twin(tmp_path_factory):
+    """The synthetic tree of this module's runs, and the uninterrupted run of a method on it
+    (no in-stage checkpoints), made once: the two seqft cases share theirs."""
+    root = tmp_path_factory.mktemp("twins")
+    trace, done = make_trace(root / "trace"), {}
+
+    def run(method: str) -> Path:
+        if method not in done:
+            assert run_cli(*smoke_args(trace, root / "runs"), "--method", method, *SHAPE, "--run-id", method) == 0
+            done[method] = root / "runs" / method
+        return done[method]
+    run.trace = trace
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method, kill_at", CASES, ids=[f"{m}-{'-'.join(map(str, k))}" for m, k in CASES])
-def test_sigkill_inside_a_stage_resumes_at_the_checkpoint_byte_for_byte(trace_dir, tmp_path, method, kill_at):
-    args = [*smoke_args(trace_dir, tmp_path / "runs"), "--method", method, *SHAPE]
-    twin_dir, run_dir = tmp_path / "runs" / "twin", tmp_path / "runs" / "killed"
-    assert run_cli(*args, "--run-id", "twin") == 0  # uninterrupted, no in-stage checkpoints
+def test_sigkill_inside_a_stage_resumes_at_the_checkpoint_byte_for_byte(twin, tmp_path, method, kill_at):
+    args = [*smoke_args(twin.trace, tmp_path / "runs"), "--method", method, *SHAPE]
+    twin_dir, run_dir = twin(method), tmp_path / "runs" / "killed"
 
     first, second = tmp_path / "first.log", tmp_path / "second.log"
     killed = _run([*args, *EVERY_STEP, "--run-id", "killed"], first, kill_at)
