@@ -8,7 +8,8 @@ bf16). Prints one JSON object: the seconds of each repeat, their medians, and th
 ratio probe / evaluation. A ratio, not absolute seconds, is what carries to another
 machine (and only roughly across precisions).
 
-    PYTHONPATH=. OMP_NUM_THREADS=2 python scripts/perf_lima_probe.py --items 64 --repeats 2
+    PYTHONPATH=. OMP_NUM_THREADS=2 python scripts/perf_lima_probe.py --items 64 --repeats 2 \\
+        --output results/perf/lima-probe-smollm2-fp32.json
 """
 from __future__ import annotations
 
@@ -16,8 +17,11 @@ import argparse
 import json
 import logging
 import platform
+import shlex
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -38,6 +42,7 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--output", type=Path, default=None, help="also write the JSON here (a results/perf record)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)  # after imports that set handlers
     config = resolve("cpu", None, {"eval": {"precision": args.precision}})
@@ -65,10 +70,23 @@ def main() -> None:
                          task.name, len(task.test), time.perf_counter() - t0, total, times["probe"][-1] / total)
             times["evaluation"].append(total)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(json.dumps({"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                      "precision": backend.eval_precision, "items": args.items,
-                      "test_items": sum(len(t.test) for t in tasks), "seconds": times, "median_s": med,
-                      "ratio_probe_to_evaluation": med["probe"] / med["evaluation"]}, indent=1))
+    text = json.dumps({"command": shlex.join(["python", "scripts/perf_lima_probe.py", *sys.argv[1:]]),
+                       "machine": _machine(), "threads": torch.get_num_threads(),
+                       "precision": backend.eval_precision, "items": args.items,
+                       "test_items": sum(len(t.test) for t in tasks), "seconds": times, "median_s": med,
+                       "ratio_probe_to_evaluation": med["probe"] / med["evaluation"]}, indent=1)
+    print(text)
+    if args.output is not None:
+        args.output.write_text(text + "\n")
+
+
+def _machine() -> str:
+    """The CPU's model name and whether it has native bf16 (the ratio carries only roughly across precisions)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                 platform.processor() or platform.machine())
+    bf16 = [flag for flag in ("avx512_bf16", "amx_bf16") if f" {flag}" in info]
+    return f"{model}; native bf16: {', '.join(bf16) or 'none'}"
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import torch
 
 from cl_bench.method import Stage
 from cl_bench.methods import bilevel_cka
-from cl_bench.methods.bilevel_cka import BilevelCKAArgs, guidance, reachable_mask_lr
+from cl_bench.methods.bilevel_cka import guidance, reachable_mask_lr
 from cl_bench.methods.bilevel_cka.args import PAPER_REACH
 from cl_bench.models import moe
 from helpers import only_run, run_cli, smoke_args

@@ -11,7 +11,7 @@ from cl_bench.report.compare import compare, differences, format_comparison
 from cl_bench.metrics.intervals import ItemTable, replicates, run_intervals
 from cl_bench.metrics.cl import SUMMARIES, summarise
 from cl_bench.record.schema import RunRecord
-from helpers import RECORD_TASKS as TASKS, make_record, run_cli, write_run
+from helpers import make_record, run_cli, write_run
 
 
 

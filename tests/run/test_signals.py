@@ -30,7 +30,6 @@ from pathlib import Path
 
 import pytest
 
-from cl_bench.record import io as results
 from cl_bench.run import checkpoint
 from cl_bench.run import signals
 from helpers import assert_same_run, deepspeed_args, make_trace, only_run, run_cli, smoke_args
