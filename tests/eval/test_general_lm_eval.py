@@ -33,10 +33,19 @@ def index():
 @pytest.fixture
 def one_index(index, monkeypatch):
     """GeneralTasks.prepare's TaskManager() returns the module's index (it imports the name
-    inside the function, so the patched one); the rest of prepare runs as it is."""
+    inside the function, so the patched one), TaskManager(include_defaults=False) a real one
+    without the built-in tasks; the rest of prepare runs as it is. The list: each call's
+    include_defaults."""
     import lm_eval.tasks
 
-    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda: index)
+    real, calls = lm_eval.tasks.TaskManager, []
+
+    def manager(include_defaults=True):
+        calls.append(include_defaults)
+        return index if include_defaults else real(include_defaults=False)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", manager)
+    return calls
 
 
 def task(scores: list[float], items: list[str] | None = None) -> dict:
@@ -100,6 +109,17 @@ def test_without_lm_eval_the_extra_is_named(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_lm_eval)
     with pytest.raises(UserError, match=r"pip install 'cl-bench\[general\]'"):
         lm_eval_tasks.GeneralTasks.prepare(["boolq"], None, False, 4)
+
+
+def test_built_in_tasks_are_indexed_only_for_a_name(one_index, tmp_path):
+    # catches: the built-in index (about 38 s) read for local task YAMLs; or not read for a name
+    local = [str(DATA / "tiny_mc.yaml"), str(DATA / "tiny_gen.yaml")]
+    tasks = lm_eval_tasks.GeneralTasks.prepare(local, 4, False, 4)
+    assert one_index == [False] and tasks.names == ["clb_tiny_mc", "clb_tiny_gen"]
+    one_index.clear()
+    with pytest.raises(UserError, match="'boolq' cannot be built offline"):  # found by name, its data on a hub
+        lm_eval_tasks.GeneralTasks.prepare([local[0], "boolq"], 4, False, 4)
+    assert one_index == [True]
 
 
 @pytest.mark.slow
