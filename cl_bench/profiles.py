@@ -36,6 +36,9 @@ PROFILES: dict[str, dict[str, Any]] = {
                   "checkpoint_every_s": 600},
         "eval": {"batch_size": 16, "max_new_tokens_cap": 64, "zero_shot": True, "next_task": True,
                  "precision": "auto", "cka_probe": 8, "routing_probe": 8},
+        # the Lima probe on 64 held-out items at every point: about 5% of a run's time
+        # (docs/protocol.md, "The Lima probe"; results/perf/lima-probe-answer-positions-smollm2-fp32.json)
+        "general": {"lima": 64},
     },
     "paper": {
         # The upcycling paper's setup (reference/bilevel-reference.md §6): Llama-3.2-1B,
@@ -48,6 +51,7 @@ PROFILES: dict[str, dict[str, Any]] = {
                   "epochs_per_task": {"MeetingBank": 8},
                   "max_prompt_len": 512, "max_answer_len": 512, "truncation_head": 64},
         "eval": {"batch_size": 16, "max_new_tokens_cap": 256},
+        "general": {"lima": 64},
     },
 }
 

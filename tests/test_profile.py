@@ -77,6 +77,9 @@ def test_cpu_profile_sets_every_family_and_the_zero_shot_row():
     assert cpu.eval.zero_shot and cpu.eval.next_task
     assert cpu.train.precision == "auto" and cpu.eval.precision == "auto"
     assert set(PROFILES["cpu"]["data"]["n_test_per_task"]) <= set(cpu.data.n_test_per_task)
+    # the Lima probe: on where it costs about 5% of a run (docs/protocol.md), off in smoke
+    assert cpu.general.lima == resolve("cpu-long", None, {}).general.lima == resolve("paper", None, {}).general.lima == 64
+    assert resolve("smoke", None, {}).general.lima == 0
 
 
 @pytest.mark.slow
@@ -120,6 +123,7 @@ def test_zero_shot_row_next_task_scores_sizes_majority_and_intervals(trace_dir, 
     ("data.test_split=train", "data.test_split='train' must be 'test' or 'eval'"),
     ("train.precision=fp16", "train.precision='fp16' must be one of auto, fp32, bf16"),
     ("train.lr_by_family={full: -1}", "train.lr_by_family.full=-1.0 must be a positive number"),
+    ("general.lima=4", "which does not exist; add TRACE's Lima folder there, or set general.lima=0"),
 ])
 def test_bad_per_task_and_precision_settings_fail_in_one_line(trace_dir, tmp_path, capsys, setting, message):
     assert run_cli(*smoke_args(trace_dir, tmp_path / "runs", "--set", setting)) == 2

@@ -64,11 +64,22 @@ def test_probe_items_are_fixed_nested_and_in_file_order():
     assert {e.index for e in a} <= {e.index for e in lima.probe_items(examples, 20)}
 
 
+def nll_rows(encoder):
+    # shortest first, and the longest prompt in the middle row, so sorting by length and
+    # projecting from the batch's first answer position both matter
+    return [encoder.train_example("2 plus 3?", "5"),
+            encoder.train_example("Say hello in German, please, in a friendly way, to a friend.", "Hallo!"),
+            encoder.train_example("Name a colour.", "Blue, like the sky on a clear day in summer.")]
+
+
 def test_answer_nll_is_the_models_own_loss():
+    # catches: the rows' results returned in the sorted (longest first) order, not the input's;
+    # the LM head kept from a later position than the batch's first answer token; an answer
+    # token dropped or a prompt token counted
     model, tokenizer, _ = tiny_llama(0)
     encoder = Encoder(tokenizer, 64, 16, "head_tail", 8)
-    rows = [encoder.train_example("Question: 2 plus 3?", "5 apples"),
-            encoder.train_example("Say hello in German.", "Hallo, wie geht es dir?")]
+    rows = nll_rows(encoder)
+    assert len({len(r["input_ids"]) for r in rows}) == 3
     sums, counts = lima.answer_nll(model, rows, tokenizer.pad_token_id, batch_size=2)
     for row, s, n in zip(rows, sums, counts):
         batch = collate([row], tokenizer.pad_token_id)
@@ -76,6 +87,25 @@ def test_answer_nll_is_the_models_own_loss():
             loss = model(**batch).loss  # mean over the row's labelled tokens, HF's own shift
         assert n == sum(label != -100 for label in row["labels"])  # every answer token and EOS
         assert s / n == pytest.approx(float(loss), rel=1e-5)
+
+
+def test_answer_nll_with_a_forward_that_keeps_every_logit():
+    # a model whose forward ignores logits_to_keep (a plugin's wrapper) gets the same losses
+    model, tokenizer, _ = tiny_llama(0)
+    encoder = Encoder(tokenizer, 64, 16, "head_tail", 8)
+
+    class KeepsAll(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, logits_to_keep=None, **kwargs):
+            return self.inner(**kwargs)
+
+    rows = nll_rows(encoder)
+    expected = lima.answer_nll(model, rows, tokenizer.pad_token_id, batch_size=3)
+    got = lima.answer_nll(KeepsAll(), rows, tokenizer.pad_token_id, batch_size=3)
+    assert got[1] == expected[1] and got[0] == pytest.approx(expected[0], rel=1e-6)
 
 
 def write_lima(trace_dir: Path, n: int = 30) -> None:

@@ -61,19 +61,37 @@ def probe_items(examples: list[Example], n: int) -> list[Example]:
 
 @torch.no_grad()
 def answer_nll(model: nn.Module, rows: list[dict], pad_id: int, batch_size: int) -> tuple[list[float], list[int]]:
-    """Per row, the summed NLL (nats) of its labelled tokens and their count."""
-    sums, counts = [], []
+    """Per row, in input order, the summed NLL (nats) of its labelled tokens and their count.
+
+    Rows run longest first, so a batch pads little, and the LM head projects only the
+    positions from the batch's first labelled one on (`logits_to_keep`, a 1D tensor of
+    positions, as transformers' LlamaForCausalLM takes it since 4.56): the logits of a
+    prompt are never computed. The labelled positions' logits, picked as contiguous
+    rows, go through one cross-entropy (docs/protocol.md, "The Lima probe")."""
+    sums, counts = [0.0] * len(rows), [0] * len(rows)
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i]["input_ids"]))
     device = device_of(model)
     with eval_mode(model):
-        for start in range(0, len(rows), batch_size):
-            batch = collate(rows[start:start + batch_size], pad_id)
+        for start in range(0, len(order), batch_size):
+            index = order[start:start + batch_size]
+            batch = collate([rows[i] for i in index], pad_id)
+            targets = batch["labels"][:, 1:].to(device)  # (B, T-1): position t predicts token t+1
+            scored = targets != IGNORE  # (B, T-1)
+            if not bool(scored.any()):
+                continue
+            first = int(scored.any(dim=0).nonzero()[0])
+            keep = torch.arange(first, targets.shape[1], device=device)  # (K,)
             out = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
-                        use_cache=False)
-            logits = out.logits[:, :-1].float()  # (B, T-1, V): token t predicts t+1
-            labels = batch["labels"][:, 1:].to(device)  # (B, T-1)
-            nll = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE, reduction="none")  # (B, T-1)
-            sums += nll.sum(dim=1).tolist()
-            counts += (labels != IGNORE).sum(dim=1).tolist()
+                        use_cache=False, logits_to_keep=keep)
+            logits = out.logits  # (B, K, V)
+            if logits.shape[1] != len(keep):  # a forward that ignores logits_to_keep: every position's
+                logits = logits[:, keep]
+            picked = scored[:, first:]  # (B, K)
+            nll = F.cross_entropy(logits[picked].float(), targets[:, first:][picked], reduction="none")  # (n,)
+            row = picked.nonzero()[:, 0]  # (n,) the batch row of each scored token
+            per_row = torch.zeros(len(index), dtype=nll.dtype, device=device).index_add_(0, row, nll)
+            for b, i in enumerate(index):
+                sums[i], counts[i] = float(per_row[b]), int(picked[b].sum())
     return sums, counts
 
 
@@ -87,6 +105,10 @@ class LimaProbe:
 
     @classmethod
     def load(cls, data_dir: Path, n: int) -> LimaProbe:
+        path = Path(data_dir) / TASK / f"{SPLIT}.json"
+        if Path(data_dir).is_dir() and not path.exists():  # on in the cpu and paper profiles
+            raise UserError(f"general.lima={n}: the Lima probe reads {path}, which does not exist; add TRACE's "
+                            f"Lima folder there, or set general.lima=0 to run without the probe")
         examples = load_split(data_dir, TASK, SPLIT)
         if n > len(examples):
             raise UserError(f"general.lima={n}: Lima's {SPLIT} split has {len(examples)} examples; "
