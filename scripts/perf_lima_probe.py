@@ -8,15 +8,17 @@ bf16). Prints one JSON object: the seconds of each repeat, their medians, and th
 ratio probe / evaluation. A ratio, not absolute seconds, is what carries to another
 machine (and only roughly across precisions).
 
-    PYTHONPATH=. OMP_NUM_THREADS=2 python scripts/perf_lima_probe.py --items 64 --repeats 2 \\
-        --output results/perf/lima-probe-smollm2-fp32.json
+    PYTHONPATH=. OMP_NUM_THREADS=2 python scripts/perf_lima_probe.py --items 64 --repeats 3 \\
+        --output results/perf/lima-probe-answer-positions-smollm2-fp32.json
+
+The record also names the machine (cl_bench/tools/perf/eval_profile.machine: the CPU, its
+cores, which bf16 instruction sets it has, the load average when the record is written).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
-import platform
 import shlex
 import statistics
 import sys
@@ -33,6 +35,7 @@ from cl_bench.data.encode import Encoder
 from cl_bench.eval.evaluation import evaluate_task
 from cl_bench.eval.general.lima import LimaProbe
 from cl_bench.models.loading import load
+from cl_bench.tools.perf.eval_profile import machine
 
 log = logging.getLogger("perf_lima_probe")
 
@@ -71,22 +74,13 @@ def main() -> None:
             times["evaluation"].append(total)
     med = {k: statistics.median(v) for k, v in times.items()}
     text = json.dumps({"command": shlex.join(["python", "scripts/perf_lima_probe.py", *sys.argv[1:]]),
-                       "machine": _machine(), "threads": torch.get_num_threads(),
+                       "machine": machine(), "threads": torch.get_num_threads(),
                        "precision": backend.eval_precision, "items": args.items,
                        "test_items": sum(len(t.test) for t in tasks), "seconds": times, "median_s": med,
                        "ratio_probe_to_evaluation": med["probe"] / med["evaluation"]}, indent=1)
     print(text)
     if args.output is not None:
         args.output.write_text(text + "\n")
-
-
-def _machine() -> str:
-    """The CPU's model name and whether it has native bf16 (the ratio carries only roughly across precisions)."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                 platform.processor() or platform.machine())
-    bf16 = [flag for flag in ("avx512_bf16", "amx_bf16") if f" {flag}" in info]
-    return f"{model}; native bf16: {', '.join(bf16) or 'none'}"
 
 
 if __name__ == "__main__":
