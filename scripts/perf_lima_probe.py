@@ -11,7 +11,7 @@ machine (and only roughly across precisions).
     PYTHONPATH=. OMP_NUM_THREADS=2 python scripts/perf_lima_probe.py --items 64 --repeats 3 \\
         --output results/perf/lima-probe-answer-positions-smollm2-fp32.json
 
-The record also names the machine (cl_bench/tools/perf/eval_profile.machine: the CPU, its
+The record also names the machine (cl_bench/run/machine.machine: the CPU, its
 cores, which bf16 instruction sets it has, the load average when the record is written).
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from cl_bench.data.encode import Encoder
 from cl_bench.eval.evaluation import evaluate_task
 from cl_bench.eval.general.lima import LimaProbe
 from cl_bench.models.loading import load
-from cl_bench.tools.perf.eval_profile import machine
+from cl_bench.run.machine import machine
 
 log = logging.getLogger("perf_lima_probe")
 

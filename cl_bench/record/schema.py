@@ -28,7 +28,7 @@ SCHEMA_VERSION = 2
 
 # Optional fields of RunRecord and Timing that the JSON leaves out while they are None
 # (the record gains them as the run goes: a resume, the intervals, an error).
-_OMITTED_WHEN_NONE = frozenset({"majority", "backend", "probes", "general", "resumes", "intervals", "failed_at",
+_OMITTED_WHEN_NONE = frozenset({"majority", "backend", "machine", "probes", "general", "resumes", "intervals", "failed_at",
                                 "error", "total_s", "prepare_s", "zero_shot_s"})
 
 
@@ -238,7 +238,9 @@ class RunRecord:
     summary: metrics.cl.summarise of matrix and zero_shot, once complete.
     params: ParamReport per stage done. replay: the replay buffer's summary.
     config: the resolved RunConfig, whole. backend: what trained it (name,
-        world_size, precision...). timing: Timing. versions: of the packages;
+        world_size, precision...). machine: cl_bench.run.machine.calibration at the
+        start (CPU, cores, threads, bf16 instruction sets, load average, a matmul rate);
+        records before it have none. timing: Timing. versions: of the packages;
         git_commit: of cl-bench ("+dirty" with local changes). stages_done.
     probes: eval.cka_probe's CKA, eval.routing_probe's routed-expert shares and JS
         divergences, and eval.sharpness's rows, by stage.
@@ -274,6 +276,7 @@ class RunRecord:
     replay: dict[str, Any] | None = None
     config: dict[str, Any] | None = None
     backend: dict[str, Any] | None = None
+    machine: dict[str, Any] | None = None
     timing: Timing = field(default_factory=Timing)
     versions: dict[str, str] = field(default_factory=dict)
     git_commit: str | None = None
@@ -340,6 +343,7 @@ class RunRecord:
             zero_shot=g(data, "zero_shot", list), majority=g(data, "majority", dict),
             task_metrics=g(data, "task_metrics", list, list), summary=g(data, "summary", dict), params=params,
             replay=g(data, "replay", dict), config=g(data, "config", dict), backend=g(data, "backend", dict),
+            machine=g(data, "machine", dict),
             timing=timing, versions=g(data, "versions", dict, dict), git_commit=g(data, "git_commit", str),
             stages_done=g(data, "stages_done", int, 0), probes=g(data, "probes", dict),
             general=g(data, "general", dict),

@@ -19,6 +19,7 @@ import torch
 from cl_bench.record import io as results
 from cl_bench.run import resume
 from cl_bench.run.checks import Checked
+from cl_bench.run.machine import calibration
 from cl_bench.run.resume import Resuming
 from cl_bench.run.state import Run
 from cl_bench.eval.probes.representation import RepresentationProbe
@@ -143,7 +144,8 @@ def new_record(config: RunConfig, method: Method, method_args, model_info: dict[
         profile=config.profile, seed=config.seed, data={t.name: t.provenance for t in tasks},
         matrix=[[None] * len(tasks) for _ in stages],
         majority={t.name: majority_level(t) for t in tasks if majority_level(t) is not None},
-        config=config.to_dict(), backend=backend.describe(), versions=results.versions(),
+        config=config.to_dict(), backend=backend.describe(), machine=calibration(backend.train_precision),
+        versions=results.versions(),
         git_commit=results.git_commit())
 
 

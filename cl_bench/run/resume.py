@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from cl_bench.config import build
 from cl_bench.errors import UserError, program
 from cl_bench.record import io as results
+from cl_bench.run.machine import calibration
 from cl_bench.record.schema import RunRecord
 from cl_bench.run import checkpoint
 from cl_bench.run.checks import Checked, check_config
@@ -206,7 +207,8 @@ def restore(run: Run, command: str) -> None:
     rec.error = None  # of the interrupted attempt
     rec.failed_at = None
     rec.resumes = [*(rec.resumes or []), {"at_stage": done, "command": command,
-                                          "backend": run.backend.describe()}]
+                                          "backend": run.backend.describe(),
+                                          "machine": calibration(run.backend.train_precision)}]
     if run.backend.is_main:
         log.info("resuming %s at stage %d/%d", run.run_dir, done + 1, len(run.stages))
 

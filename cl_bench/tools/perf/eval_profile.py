@@ -27,8 +27,6 @@ eval-speed: the same row decoded by cl_bench.eval.generation against `--baseline
 from __future__ import annotations
 
 import functools
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -37,6 +35,7 @@ import torch
 from torch import nn
 
 from cl_bench.run import precision
+from cl_bench.run.machine import machine, matmul_rate
 from cl_bench.backends.torch_backend import TorchBackend
 from cl_bench.benchmarks.trace import load_task, resolve_data_dir, resolve_order
 from cl_bench.config import build
@@ -70,19 +69,6 @@ def setup(args, precision_choice: str | None = None):
     return config, loaded, encoder, tasks, TorchBackend(config, torch.device("cpu"))
 
 
-def machine() -> dict:
-    """The CPU (its name, logical cores, which of the bf16-relevant instruction sets it
-    has, from /proc/cpuinfo where there is one) and the load average now (1, 5, 15 min)."""
-    info = Path("/proc/cpuinfo")
-    text = info.read_text() if info.exists() else ""
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    flags = set(fields.get("flags", "").split())
-    return {"cpu": fields.get("model name") or platform.processor(), "logical_cores": os.cpu_count(),
-            "isa": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags],
-            "loadavg": list(os.getloadavg())}
-
-
 class CallTimer:
     """Wraps `model.forward` (an instance attribute, so nn.Module.__call__ finds it):
     seconds and shapes of each call, split by whether it is a prompt pass (more than
@@ -105,20 +91,6 @@ class CallTimer:
 
     def __exit__(self, *exc):
         del self.model.forward
-
-
-def matmul_rate(precision_name: str, m: int, k: int = 576, n: int = 1536, repeats: int = 5) -> float:
-    """GFLOP/s of an (m, k) @ (k, n) product under the eval precision's autocast (median)."""
-    a, w = torch.randn(m, k), torch.randn(k, n)
-    with precision.autocast(precision_name, torch.device("cpu")):
-        wc = w.to(torch.bfloat16) if precision_name == "bf16" else w  # weights are cast once
-        a @ wc
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            a @ wc
-            times.append(time.perf_counter() - t0)
-    return 2 * m * k * n / statistics.median(times) / 1e9
 
 
 def read_rate(mb: int = 256, repeats: int = 5) -> float:
