@@ -23,5 +23,5 @@ def here(*argv):
 
 def table_rows(out: str) -> list[list[str]]:
     """(state, run folder) per row of the printed table."""
-    rows = [line.split() for line in out.splitlines()[1:] if not line.startswith("total left")]
+    rows = [line.split() for line in out.splitlines()[1:] if not line.startswith(("scale:", "total left"))]
     return [[r[0], next(w for w in r[1:] if "/" in w)] for r in rows]

@@ -13,13 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from cl_bench.record import io as results
 from cl_bench.run import checkpoint
 from cl_bench.tools.campaign import code as pinning
 from cl_bench.tools.campaign import estimate
 from cl_bench.tools.campaign import launch
-from cl_bench.tools.campaign.plan import Entry, read_plan, recorded
+from cl_bench.tools.campaign.plan import Entry, planned, read_plan, recorded
 from cl_bench.errors import UserError
 from campaign_setup import ROOT, campaign, here, table_rows
 
@@ -260,18 +261,74 @@ def test_bad_slurm_settings_are_one_message(plan, tmp_path, capsys, content, say
 
 # ---- estimates -----------------------------------------------------------------------
 
-def _record(tmp, name, method, seconds_per_step, token_s, prec="bf16", model="m"):
-    """A complete record: two stages of tasks A and B, 10 steps each, 100 budget tokens each."""
+def _record(tmp, name, method, seconds_per_step, token_s, prec="bf16", model="m", train=(8, 4, 256, 96),
+            **fields):
+    """A complete record: two stages of tasks A and B, 10 steps each, 100 budget tokens
+    each; `train`: batch, micro-batch, prompt and answer lengths; `fields`: more of the
+    record (machine, resumes)."""
     folder = tmp / name
     folder.mkdir(parents=True)
-    config = {"model": model, "train": {"batch_size": 8, "micro_batch_size": 4, "max_prompt_len": 256,
-                                        "max_answer_len": 96}}
+    config = {"model": model, "train": dict(zip(("batch_size", "micro_batch_size", "max_prompt_len",
+                                                 "max_answer_len"), train))}
     stages = [{"stage": b, "train_s": 10 * s, "eval_s": 100 * token_s, "steps": 10}
               for b, s in enumerate(seconds_per_step)]
     (folder / "run.json").write_text(json.dumps({
         "status": "complete", "method": method, "config": config, "backend": {"precision": {"train": prec}},
         "stages": [{"tasks": ["A"]}, {"tasks": ["B"]}], "timing": {"stages": stages, "zero_shot_s": 0.0},
-        "task_metrics": [{"n": 10, "max_new_tokens": 10}, {"n": 10, "max_new_tokens": 10}]}))
+        "task_metrics": [{"n": 10, "max_new_tokens": 10}, {"n": 10, "max_new_tokens": 10}], **fields}))
+
+
+def _calibrated(gflops, prec="bf16"):
+    """A record's `machine` whose matmul ran at `gflops`."""
+    return {"cpu": "test", "threads": 1, "matmul": {"precision": prec, "shape": [1024, 576, 1536], "gflops": gflops}}
+
+
+@pytest.fixture
+def rate_here(monkeypatch):
+    """This machine's calibration pinned: bf16 100 GFLOP/s, fp32 50, native bf16; each
+    measurement's precision and torch threads noted in the returned list. The tests
+    run at two threads, so a measurement at the run's threads is caught."""
+    measured = []
+
+    def rate(precision_name, m, k=576, n=1536, repeats=5):
+        measured.append((precision_name, torch.get_num_threads(), (m, k, n)))
+        return {"bf16": 100.0, "fp32": 50.0}[precision_name]
+
+    monkeypatch.setattr("cl_bench.run.machine.matmul_rate", rate)
+    monkeypatch.setattr("cl_bench.run.precision.native_bf16", lambda device: True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield measured
+    torch.set_num_threads(threads)
+
+
+def test_a_records_seconds_scale_by_its_machines_rate_over_this_ones(tmp_path, rate_here):
+    """A record from a machine twice as fast as this one (200 GFLOP/s against 100) takes
+    twice its seconds here; a resumed stage scales by its resume's machine; a record
+    without a machine is used as it is and marked `~`; this machine is measured once per
+    precision, at one thread, at the calibration's shape. Mutations caught: no scaling,
+    the ratio inverted, the resume's machine ignored, the mark dropped, a measurement at
+    the run's threads or per record."""
+    _record(tmp_path, "fast", "seqft", [1.0, 2.0], 0.01, machine=_calibrated(200.0))
+    _record(tmp_path, "resumed", "lora", [1.0, 2.0], 0.01, machine=_calibrated(200.0),
+            resumes=[{"at_stage": 1, "machine": _calibrated(50.0)}])
+    _record(tmp_path, "old", "replay", [1.0, 2.0], 0.01)
+    _record(tmp_path, "fast-fp32", "seqft", [3.0, 3.0], 0.03, prec="fp32", machine=_calibrated(25.0, "fp32"))
+    timings = estimate.Timings(tmp_path)
+    at = ("m", "bf16", 8, 4, 256, 96)
+
+    fast = timings.rates("seqft", at)
+    assert fast.step_s == pytest.approx({"A": 2.0, "B": 4.0}) and fast.token_s == pytest.approx(0.02)
+    assert not fast.rough and fast.source == "fast"
+    resumed = timings.rates("lora", at)  # stage A on the 200 GFLOP/s machine, B on the 50 one
+    assert resumed.step_s == pytest.approx({"A": 2.0, "B": 1.0}) and resumed.token_s == pytest.approx(0.0125)
+    old = timings.rates("replay", at)
+    assert old.step_s == {"A": 1.0, "B": 2.0} and old.rough and old.source == "old; machine unrecorded"
+    slow = timings.rates("seqft", ("m", "fp32", 8, 4, 256, 96))  # 25 GFLOP/s there, 50 here: half
+    assert slow.step_s == pytest.approx({"A": 1.5, "B": 1.5}) and not slow.rough
+    assert timings.rates("seqft", at).step_s == fast.step_s
+    assert rate_here == [("bf16", 1, (1024, 576, 1536)), ("fp32", 1, (1024, 576, 1536))]
+    assert torch.get_num_threads() == 2
 
 
 def test_estimates_come_from_the_same_methods_records_else_are_scaled_and_marked(tmp_path):
@@ -301,6 +358,32 @@ def test_estimates_come_from_the_same_methods_records_else_are_scaled_and_marked
     other = timings.rates("multitask", at)
     assert other.scaled and other.source.startswith("scaled: seqft's rates") and other.step_s == own.step_s
     assert timings.rates("seqft", ("other model", "bf16", 8, 4, 256, 96)) is None
+
+
+def test_dry_run_prints_the_scale_and_marks_an_unscaled_estimate(trace_dir, tmp_path, rate_here, capsys):
+    """The dry run's rows: SeqFT's from a record of a machine twice as fast (fp32: 100
+    GFLOP/s there, 50 here), twice its seconds, unmarked; LoRA's from a record without a
+    machine, unscaled, marked `~`; then the scale line. Mutations caught: no scale line,
+    the hours unscaled, the unrecorded estimate unmarked."""
+    flags = f"--profile smoke --data-dir {trace_dir} --set train.precision=fp32 --set eval.precision=fp32"
+    path = tmp_path / "plan.txt"
+    path.write_text(f"{tmp_path}/out/seqft: {flags} --method seqft\n{tmp_path}/out/lora: {flags} --method lora\n")
+    config, method_args = planned(read_plan(path)[0])
+    work = estimate.planned_work(config, method_args)
+    model, prec, *train = work.at
+    records = tmp_path / "records"
+    _record(records, "fast", "seqft", [100.0, 100.0], 1.0, prec, model, train, machine=_calibrated(100.0, "fp32"))
+    _record(records, "old", "lora", [100.0, 100.0], 1.0, prec, model, train)
+    assert campaign(*here(str(path)), "--records", str(records)) == 0
+    said = capsys.readouterr().out.splitlines()
+    once = work.seconds(estimate.Rates({"A": 100.0}, 1.0, "")) / 3600
+    assert said[1].split()[:2] == ["left", f"{2 * once:.2f}"] and said[1].endswith(f"; {records / 'fast'})")
+    assert said[2].split()[:3] == ["left", "~", f"{once:.2f}"]
+    assert said[2].endswith(f"; {records / 'old'}; machine unrecorded)")
+    assert said[3].startswith("scale: this machine's 1024x576x1536 product at one thread: fp32 50.0 GFLOP/s (load ")
+    assert said[3].endswith("of 2 records read, 1 scaled by their machine's rate over this one (seconds x "
+                            "2.00-2.00), 1 unscaled (machine unrecorded: their estimates marked ~)")
+    assert said[4].startswith("total left: 2 runs, ")
 
 
 @pytest.mark.slow

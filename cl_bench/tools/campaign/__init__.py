@@ -25,7 +25,11 @@ estimated hours.
   them) is refused whole when one of its lines would score the test split.
 - `--dry-run` and `--status` print each run's state and hours (cl_bench/tools/campaign/
   estimate.py: from the committed records' per-step and per-token timings of the same
-  method and step shape; `~` marks a scaled estimate) and the total left.
+  method and step shape, scaled to this machine by the ratio of a short matrix-product
+  calibration here, at one thread, to the one in each record; `~` marks an estimate scaled
+  between shapes or methods, or from records that name no machine, used unscaled), a
+  line saying the scale (this machine's rates; how many records were scaled, by how
+  much, and how many not), and the total left.
 """
 from __future__ import annotations
 
@@ -44,20 +48,22 @@ from cl_bench.run.resume import stranded
 from cl_bench.errors import UserError
 
 
-def _hours(entry: Entry, record: dict | None, config, method_args, timings: estimate.Timings) -> tuple[float | None, str]:
-    """Hours left for the run at one thread, and where the figure comes from."""
+def _hours(entry: Entry, record: dict | None, config, method_args,
+           timings: estimate.Timings) -> tuple[float | None, str, bool]:
+    """Hours left for the run at one thread, where the figure comes from, and whether
+    it is marked `~` (Rates.rough)."""
     if record is not None and record.get("status") == "complete":
-        return (record.get("timing") or {}).get("total_s", 0.0) / 3600, "took"
+        return (record.get("timing") or {}).get("total_s", 0.0) / 3600, "took", False
     try:
         work = estimate.planned_work(config, method_args)
     except UserError as e:
-        return None, f"no estimate: {e}"
+        return None, f"no estimate: {e}", False
     rates = timings.rates(config.method, work.at)
     if rates is None:
-        return None, f"no estimate: no complete record at this step shape ({work.at[0]}, {work.at[1]})"
+        return None, f"no estimate: no complete record at this step shape ({work.at[0]}, {work.at[1]})", False
     done = record.get("stages_done", 0) if record else 0
     zero_done = bool(record and record.get("zero_shot") is not None)
-    return work.seconds(rates, done, zero_done) / 3600, rates.source
+    return work.seconds(rates, done, zero_done) / 3600, rates.source, rates.rough
 
 
 def survey(plan: Path, entries: list[Entry], root: Path, args, native: bool):
@@ -81,7 +87,7 @@ def survey(plan: Path, entries: list[Entry], root: Path, args, native: bool):
                     if changed:
                         print(f"{plan}:{entry.line}: {entry.run_dir} is resumed as recorded, though the line now "
                               f"asks for {'; '.join(changed)}", file=sys.stderr)
-            hours, source = _hours(entry, record, config, method_args, timings)
+            hours, source, rough = _hours(entry, record, config, method_args, timings)
             if what == "done":
                 print(f"{'done':8s} {hours:7.2f}  {entry.run_dir}  (took)", flush=True)
                 continue
@@ -103,7 +109,7 @@ def survey(plan: Path, entries: list[Entry], root: Path, args, native: bool):
             raise UserError(f"{plan}:{entry.line}: {e}") from None
         state = "running" if busy else "stuck" if why else "left"
         label = code[:12] if isinstance(code, str) else str(code)
-        shown = "      ?" if hours is None else f"{'~' if source.startswith('scaled') else ' '}{hours:6.2f}"
+        shown = "      ?" if hours is None else f"{'~' if rough else ' '}{hours:6.2f}"
         how = "not launched: its stage checkpoint is missing (above)" if why else what
         print(f"{state:8s} {shown}  {entry.run_dir}  ({how}, precision {'/'.join(asked)}, code {label}; "
               f"{source})", flush=True)
@@ -123,6 +129,7 @@ def survey(plan: Path, entries: list[Entry], root: Path, args, native: bool):
         elif is_running(entry.folder(root)):
             elsewhere.append(entry.folder(root))
     slots = args.slots
+    print(timings.scale_line(), flush=True)
     print(f"total left: {n_left} runs, {left_h:.1f} h at one thread a run ({left_h / slots:.1f} h on {slots} "
           f"slot{'s' if slots != 1 else ''}){f'; {unknown} without an estimate' if unknown else ''}"
           f"{f'; and {n_stuck} stuck, not launched' if n_stuck else ''}", flush=True)

@@ -10,6 +10,18 @@ times the ratio between the two shapes of the methods of its family
 (Method.lr_family: an MoE method scales as the MoE methods measured at both do,
 not as dense fine-tuning), else of the baseline (SeqFT), else the baseline's own
 rates at this shape. Records ran one thread each; so do the estimates.
+
+Machines differ several-fold in speed, so a record's seconds are scaled to this
+machine: x its `machine.matmul.gflops` (cl_bench/run/machine.py: a CALIBRATION_SHAPE
+product at the run's training precision, taken at its start, and at each --resume's
+for the stages from there) / the same product's rate here at one thread, measured once
+per precision when first needed (a record at two threads has its calibration at two
+threads too, so the ratio roughly carries it to one as well). Records made before runs named
+their machine (all committed ones until issue 52) are used unscaled and the estimate
+is marked `~` ("machine unrecorded"): nothing names their machine (the results/perf
+records that name one are probes on an AVX2 EPYC, not these runs). So are those of
+bf16 on a CPU without native bf16, where the product is emulated, far too slow to
+time (and the campaign refuses bf16 there). `Timings.scale_line()` says what was used.
 """
 from __future__ import annotations
 
@@ -23,7 +35,7 @@ from statistics import mean
 import torch
 
 from cl_bench import registry
-from cl_bench.run import precision
+from cl_bench.run import machine, precision
 from cl_bench.record import io as results
 
 
@@ -40,34 +52,70 @@ class Rates:
     step_s: dict[str, float]
     token_s: float
     source: str  # the records they come from, or how they were scaled
-    scaled: bool = False
+    scaled: bool = False  # from another step shape or another method
+    unrecorded: int = 0  # records among them whose seconds could not be scaled to this machine
+
+    @property
+    def rough(self) -> bool:
+        """Whether the estimate is marked `~`."""
+        return self.scaled or self.unrecorded > 0
 
     def step(self, task: str) -> float:
         return self.step_s.get(task, mean(self.step_s.values()))
 
 
-def _record_rates(record: dict, where: Path) -> Rates | None:
+def _stage_machines(record: dict) -> list[dict | None]:
+    """The `machine` each stage ran on: the record's, from each --resume's at_stage its own."""
+    machines = [record.get("machine")] * len(record["stages"])
+    for r in record.get("resumes") or []:
+        machines[r["at_stage"]:] = [r.get("machine")] * len(machines[r["at_stage"]:])
+    return machines
+
+
+def _record_rates(record: dict, where: Path, factors: list[float | None] | None = None) -> Rates | None:
+    """`record`'s rates, each stage's seconds x its factor and the zero-shot row's x the
+    last one (it ran at the first start); a factor None leaves them unscaled, counted
+    `unrecorded`."""
     timing = record.get("timing") or {}
     stages = timing.get("stages") or []
     if not stages:
         return None
+    factors = factors or [1.0] * (len(stages) + 1)  # the stages', then the zero-shot row's
+    f = [1.0 if x is None else x for x in factors]
     step_s: dict[str, list[float]] = {}
-    for stage, timed in zip(record["stages"], stages):
+    for stage, timed, x in zip(record["stages"], stages, f):
         if timed["steps"]:
             for task in stage["tasks"]:  # a multi-task stage: each task at the stage's mean
-                step_s.setdefault(task, []).append(timed["train_s"] / timed["steps"])
+                step_s.setdefault(task, []).append(timed["train_s"] * x / timed["steps"])
     budget = sum(m["n"] * m["max_new_tokens"] for m in record["task_metrics"])
-    eval_s = sum(s["eval_s"] for s in stages) + (timing.get("zero_shot_s") or 0.0)
+    eval_s = sum(s["eval_s"] * x for s, x in zip(stages, f)) + (timing.get("zero_shot_s") or 0.0) * f[-1]
     if not step_s or not budget:
         return None
-    return Rates({k: mean(v) for k, v in step_s.items()}, eval_s / budget, str(where))
+    return Rates({k: mean(v) for k, v in step_s.items()}, eval_s / budget, str(where),
+                 unrecorded=int(None in factors))
+
+
+def _rate_here(precision_name: str) -> float | None:
+    """GFLOP/s of machine.CALIBRATION_SHAPE at `precision_name` on this machine, one thread
+    (None for bf16 without native bf16: emulated, minutes to time)."""
+    if precision_name not in ("fp32", "bf16") or (
+            precision_name == "bf16" and not precision.native_bf16(torch.device("cpu"))):
+        return None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return machine.matmul_rate(precision_name, *machine.CALIBRATION_SHAPE)
+    finally:
+        torch.set_num_threads(threads)
 
 
 class Timings:
-    """The complete records under `folder`, by (method, step shape)."""
+    """The complete records under `folder`, by (method, step shape); their seconds are
+    scaled to this machine (module docstring) when their rates are asked for."""
 
     def __init__(self, folder: Path, root: Path | None = None):
-        self.by_key: dict[tuple, list[Rates]] = {}
+        self.by_key: dict[tuple, list[tuple[dict, str]]] = {}
+        self.here: dict[str, float | None] = {}  # this machine's rate by precision, once measured
         root = root or folder
         for path in sorted(folder.rglob(results.RUN_FILE)) if folder.is_dir() else []:
             try:
@@ -78,20 +126,63 @@ class Timings:
                 rates = _record_rates(record, path.parent.relative_to(root) if path.is_relative_to(root)
                                       else path.parent)
                 key = (record["method"], shape(record["config"], trained))
+                _stage_machines(record)
             except (ValueError, KeyError, TypeError):
                 continue  # not a run record of this schema: no timings to learn from
             if rates is not None:
-                self.by_key.setdefault(key, []).append(rates)
+                self.by_key.setdefault(key, []).append((record, rates.source))
+
+    def rate_here(self, precision_name: str) -> float | None:
+        if precision_name not in self.here:
+            self.here[precision_name] = _rate_here(precision_name)
+        return self.here[precision_name]
+
+    def factor(self, calibration: dict | None) -> float | None:
+        """Seconds here per second on the machine `calibration` (a record's `machine`)
+        describes: its matmul rate over this machine's at the same precision; None where
+        either is unknown."""
+        try:
+            there, name = float(calibration["matmul"]["gflops"]), calibration["matmul"]["precision"]
+        except (TypeError, KeyError, ValueError):
+            return None
+        here = self.rate_here(name)
+        return there / here if here and there > 0 else None
+
+    def _factors(self, record: dict) -> list[float | None]:
+        return [self.factor(m) for m in _stage_machines(record)] + [self.factor(record.get("machine"))]
 
     def _pooled(self, method: str, at: tuple) -> Rates | None:
-        found = self.by_key.get((method, at))
+        found = [_record_rates(record, where, self._factors(record))
+                 for record, where in self.by_key.get((method, at), [])]
         if not found:
             return None
         tasks = {t for r in found for t in r.step_s}
         names = [r.source for r in found]
+        unrecorded = sum(r.unrecorded for r in found)
         return Rates({t: mean(r.step_s[t] for r in found if t in r.step_s) for t in tasks},
                      mean(r.token_s for r in found),
-                     names[0] if len(names) == 1 else f"{len(names)} records: {names[-1]}, {names[0]}, ...")
+                     (names[0] if len(names) == 1 else f"{len(names)} records: {names[-1]}, {names[0]}, ...")
+                     + (f"; {'' if unrecorded == len(names) else f'{unrecorded} of them: '}machine unrecorded"
+                        if unrecorded else ""),
+                     unrecorded=unrecorded)
+
+    def scale_line(self) -> str:
+        """`--dry-run`'s and `--status`'s line on the scale: this machine's rates (at the
+        precisions of the records read), and how many records were scaled, by how much."""
+        records = [record for found in self.by_key.values() for record, _ in found]
+        for name in sorted({key[1][1] for key in self.by_key}):
+            self.rate_here(name)  # also where no record names its machine: for comparison
+        factors = [self._factors(record) for record in records]
+        scaled = [f for f in factors if None not in f]
+        here = ", ".join(f"{name} {'not measured (no native bf16)' if rate is None else f'{rate:.1f} GFLOP/s'}"
+                         for name, rate in sorted(self.here.items())) or "not measured (no records)"
+        ratio = f" (seconds x {min(map(min, scaled)):.2f}-{max(map(max, scaled)):.2f})" if scaled else ""
+        unscaled = len(records) - len(scaled)
+        why = "machine unrecorded" + (", or no rate here" if None in self.here.values() else "")
+        return (f"scale: this machine's {'x'.join(map(str, machine.CALIBRATION_SHAPE))} product at one thread: "
+                f"{here} (load {machine.machine()['loadavg'][0]:.1f}); of {len(records)} records read, "
+                f"{len(scaled)} scaled by their machine's rate over this one{ratio}"
+                + (f", {unscaled} unscaled ({why}: their estimates marked ~)" if unscaled else ""))
 
     def rates(self, method: str, at: tuple) -> Rates | None:
         """The method's rates at step shape `at`: measured, else scaled (module docstring)."""
@@ -105,7 +196,7 @@ class Timings:
             if ratio is not None:
                 mine, (step, token, why) = self._pooled(method, other), ratio
                 return Rates({t: v * step for t, v in mine.step_s.items()}, mine.token_s * token,
-                             f"scaled: {mine.source} x {why}", scaled=True)
+                             f"scaled: {mine.source} x {why}", scaled=True, unrecorded=mine.unrecorded)
         base = registry.baseline()
         here = self._pooled(base, at)
         if here is None:
@@ -197,7 +288,8 @@ def for_run(config, method_args, stages_done: int = 0, zero_shot_done: bool = Fa
             records: Path | None = None) -> str:
     """What `cl-bench run` says at its start: the time left for `config`, as the campaign
     estimates it (module docstring), at one thread as the records ran, with the records it
-    comes from; "~" and "scaled" where no record has this method at this step shape."""
+    comes from; "~" and "scaled" where no record has this method at this step shape, "~" and
+    "machine unrecorded" where its records name no machine to scale them from."""
     from cl_bench.errors import UserError
 
     records = RECORDS if records is None else records
@@ -211,4 +303,4 @@ def for_run(config, method_args, stages_done: int = 0, zero_shot_done: bool = Fa
                 f"under {records})")
     minutes = work.seconds(rates, stages_done, zero_shot_done) / 60
     shown = f"{minutes / 60:.1f} h" if minutes >= 90 else f"{minutes:.0f} min"
-    return f"{'~' if rates.scaled else ''}{shown} at one thread ({rates.source})"
+    return f"{'~' if rates.rough else ''}{shown} at one thread ({rates.source})"
