@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from cl_bench.step_gradients import StepGradients
 from cl_bench.config_fields import ReplayConfig, RunConfig, field_hint
 from cl_bench.config_values import coerce
 from cl_bench.data.encode import Encoder, epoch_members, phase_steps
@@ -75,6 +76,9 @@ class MethodContext:
     # the harness's replay buffer (cl_bench/data/replay.py), to read only: what it stores so
     # far (`examples()`) and what it will store of a task (`chosen(task)`); None without one
     replay: Any = None
+    # the step's gradients and weights in before_step, this rank's part of each parameter
+    # (cl_bench/step_gradients.py): one process's unless a backend sets its own for a phase
+    grads: StepGradients = field(default_factory=StepGradients)
 
     @classmethod
     def for_shapes(cls, n_stages: int) -> MethodContext:

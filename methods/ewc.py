@@ -24,6 +24,14 @@ autograd: exact, and it spares an autograd graph over two model-sized tensors
 per micro-batch. `loss` adds the penalty's value (detached) so the logged loss
 is the whole objective; parts "lm" and "ewc" (the weighted penalty).
 
+On N ranks (deepspeed, ZeRO-2/3) each rank adds the penalty's gradient to its
+own fragment of each parameter's reduced gradient, at the fp32 master weights
+(cl_bench/step_gradients.py), and the penalty's value is its fragments' sum
+all-reduced: the step is the torch backend's. F and θ* are computed between
+phases, where every rank holds the whole model: each rank computes the same F
+from the same examples (F from each rank's own micro-batches, or with the
+penalty's gradient in it, would not be the torch backend's F).
+
 Differences from TRACE's EWC.py (reference/baselines.md, "EWC"), on purpose:
 - TRACE adds g²/N_batches of every training step's mini-batch gradient to F
   through all epochs and tasks, including the task being trained; here F_new
@@ -92,9 +100,6 @@ class EWC(Method):
     description = "EWC: diagonal empirical Fisher after each task, accumulated; penalty λ·F·(θ − θ*)² toward the previous task's weights"
     lr_family = "full"
     Args = EWCArgs
-    zero_unsupported = dict.fromkeys((2, 3), (
-        "before_step adds the penalty's gradient to each parameter's .grad and reads the full weights; "
-        "ZeRO holds gradients (and at stage 3 weights) only as partitions inside the engine"))
 
     def __init__(self, args: EWCArgs, context):
         super().__init__(args, context)
@@ -103,37 +108,42 @@ class EWC(Method):
         self._penalty_value: torch.Tensor | None = None  # this step's penalty, detached
 
     # ---- the penalty -------------------------------------------------------
-    def penalty(self) -> torch.Tensor:
-        """(λ/2) Σ_j F_j (θ_j − θ*_j)² in fp32, differentiable (0 before any anchor)."""
+    def _anchored(self, grad: bool = True) -> list:
+        """This rank's fragments of the anchored parameters (cl_bench/step_gradients.py)."""
+        named = [(n, p) for n, p in self.model.named_parameters() if n in self.fisher and p.requires_grad]
+        frags = self.ctx.grads.fragments([p for _, p in named], grad)
+        names = {id(p): n for n, p in named}
+        return [(names[id(f.param)], f) for f in frags]
+
+    def penalty_value(self) -> torch.Tensor:
+        """(λ/2) Σ_j F_j (θ_j − θ*_j)² in fp32 at this step's weights (the fp32 masters),
+        summed over the ranks' fragments."""
         total = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        for name, p in self.model.named_parameters():
-            if name in self.fisher:
-                total = total + (self.fisher[name] * (p.float() - self.anchor[name]).square()).sum()
-        return 0.5 * self.args.lambda_ewc * total
+        for name, f in self._anchored(grad=False):
+            total += (f.of(self.fisher[name]) * (f.weight.float() - f.of(self.anchor[name])).square()).sum()
+        return 0.5 * self.args.lambda_ewc * self.ctx.grads.all_reduce(total)
 
     def loss(self, batch, step):
         lm = lm_loss(self.model, batch)
         if not self.fisher:
             return lm, {"lm": lm.item(), "ewc": 0.0}
         if self._penalty_value is None:  # the weights stay put across a step's micro-batches
-            with torch.no_grad():
-                self._penalty_value = self.penalty()
+            with torch.no_grad():  # every rank runs at least one micro-batch a step: the sum is collective
+                self._penalty_value = self.penalty_value()
         # The value only: its gradient is added in before_step.
         return lm + self._penalty_value, {"lm": lm.item(), "ewc": self._penalty_value.item()}
 
     def before_step(self, step: int) -> None:
-        """grad += ∂/∂θ (λ/2) Σ F (θ − θ*)² = λ F (θ − θ*), once per step."""
+        """grad += ∂/∂θ (λ/2) Σ F (θ − θ*)² = λ F (θ − θ*), once per step, on each rank's
+        own fragment of each parameter (no communication)."""
         if not self.fisher:
             return
         with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                if name not in self.fisher or not p.requires_grad:
-                    continue
-                g = (self.fisher[name] * (p.float() - self.anchor[name])).mul_(self.args.lambda_ewc)
-                if p.grad is None:
-                    p.grad = g.to(p.dtype)
-                else:
-                    p.grad.add_(g.to(p.grad.dtype))
+            anchored = self._anchored()
+            for name, f in anchored:
+                g = (f.of(self.fisher[name]) * (f.weight.float() - f.of(self.anchor[name]))).mul_(self.args.lambda_ewc)
+                f.grad.add_(g.to(f.grad.dtype))
+            self.ctx.grads.write([f for _, f in anchored])
 
     def after_step(self, step: int) -> None:
         self._penalty_value = None

@@ -30,7 +30,9 @@ Differences from TRACE's OGD.py (reference/baselines.md, "OGD"), all fixes:
   `max_memories=150` is unused) in bf16; here per-example gradients at the
   end-of-task weights, capped per task, basis in fp32.
 - TRACE projects inside per-parameter gradient hooks with a countdown index;
-  here the flattened accumulated gradient is projected once per step.
+  here the flattened accumulated gradient is projected once per step (on N
+  ranks, each rank its fragment after one all-reduce of the k coefficients:
+  `before_step`).
 - TRACE's script uses lr 1e-5; here lora's 1e-4, for the clean comparison above.
 As in TRACE, the projected gradient feeds AdamW (the harness's optimiser, whose
 moments carry across tasks), not SGD as in the paper: Adam's per-coordinate
@@ -96,26 +98,31 @@ class OGD(Method):
     description = "OGD on LoRA params: gradients projected off a basis of earlier tasks' per-example gradients"
     lr_family = "adapter"
     Args = OGDArgs
-    zero_unsupported = dict.fromkeys((2, 3), (
-        "before_step projects the adapter's flattened .grad off the stored basis; ZeRO holds gradients "
-        "only as partitions inside the engine"))
 
     def setup(self, model: nn.Module) -> None:
         self.model = inject_lora(model, self.args)
         self.adapter = lora_parameters(self.model)  # fixed order: the basis's coordinates
-        n = sum(p.numel() for p in self.adapter)
-        self.basis = torch.zeros(0, n, dtype=torch.float32, device=self.adapter[0].device)  # (k, n)
+        sizes = [p.numel() for p in self.adapter]
+        self.offsets = dict(zip(map(id, self.adapter), [sum(sizes[:i]) for i in range(len(sizes))]))
+        self.basis = torch.zeros(0, sum(sizes), dtype=torch.float32, device=self.adapter[0].device)  # (k, n)
 
     def before_step(self, step: int) -> None:
+        """g ← g − Vᵀ(V g) over the adapter's coordinates. On N ranks each holds a
+        fragment of g (cl_bench/step_gradients.py): c = V g is the sum over ranks of each
+        fragment's V[:, slice] g[slice] (one all-reduce of k floats), then each rank
+        subtracts its slice of Vᵀ c."""
         if not len(self.basis):
             return
-        g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                       for p in self.adapter])  # (n,)
-        g = project_out(self.basis, g)
-        offset = 0
-        for p in self.adapter:
-            p.grad = g[offset:offset + p.numel()].view_as(p).to(p.dtype)
-            offset += p.numel()
+        grads = self.ctx.grads
+        frags = grads.fragments(self.adapter)
+        cols = [self.basis[:, self.offsets[id(f.param)] + f.start:self.offsets[id(f.param)] + f.stop] for f in frags]
+        coeff = self.basis.new_zeros(len(self.basis))  # V g, (k,)
+        for f, v in zip(frags, cols):
+            coeff += v @ f.grad.float()
+        coeff = grads.all_reduce(coeff)
+        for f, v in zip(frags, cols):
+            f.grad.copy_((f.grad.float() - coeff @ v).to(f.grad.dtype))
+        grads.write(frags)
 
     def after_task(self, stage: Stage) -> None:
         grads = self.task_gradients(stage)

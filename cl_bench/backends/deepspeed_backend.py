@@ -26,10 +26,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import socket
 import warnings
-from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -38,7 +36,8 @@ import torch
 import yaml
 
 from cl_bench.backends.base import Backend
-from cl_bench.backends.loop import Job, StepCallback, run_phase
+from cl_bench.step_gradients import Fragment, StepGradients
+from cl_bench.backends.loop import Job, StepCallback, run_phase, seeded
 from cl_bench.backends.zero_engine import ZeroPhase
 from cl_bench.config import RunConfig
 from cl_bench.errors import UserError
@@ -220,14 +219,6 @@ class DeepSpeedBackend(Backend):
         return out
 
     # ---- training -----------------------------------------------------------------------
-    @contextmanager
-    def _seeded(self, key: str):
-        """Dropout and other draws of one micro-batch, the same on any number of ranks."""
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
-            torch.manual_seed(random.Random(key).getrandbits(63))
-            yield
-
     def train_stage(self, method: Method, optimizer: torch.optim.Optimizer, stage: Stage,
                     epochs: list[list[dict]], pad_id: int,
                     on_step: StepCallback | None = None,
@@ -241,6 +232,7 @@ class DeepSpeedBackend(Backend):
         phase = ZeroPhase(self.ds, method.model, optimizer, method.make_optimizer, self.ds_config,
                           self.config.deepspeed.zero, self.bf16)
         engine = phase.engine
+        method.ctx.grads = ZeroGradients(self.ds, self.config.deepspeed.zero)
 
         def backward(jobs: list[Job], step: int, key: str) -> dict[str, float]:
             parts: dict[str, float] = {}
@@ -248,7 +240,7 @@ class DeepSpeedBackend(Backend):
             for i, (j, job) in enumerate(mine):
                 engine.set_gradient_accumulation_boundary(i == len(mine) - 1)
                 micro = {k: v.to(self.device) for k, v in job.micro.items()}
-                with self._seeded(f"{key}/{j}"):
+                with seeded(f"{key}/{j}", self.device):
                     loss, named = engine(job.hook, micro, step)
                 # the engine averages over ranks: the weights add up to 1 over all of them
                 engine.backward(loss * (job.weight * self.world_size), scale_wrt_gas=False)
@@ -267,6 +259,8 @@ class DeepSpeedBackend(Backend):
         except BaseException:  # the process may go on (an interrupted run saving, a test): torch's F.linear back
             phase.restore_linear()
             raise
+        finally:
+            method.ctx.grads = StepGradients()
         phase.close()
         return replayed
 
@@ -289,3 +283,58 @@ class DeepSpeedBackend(Backend):
             for key, value in rank_parts.items():
                 total[key] = total.get(key, 0.0) + value
         return total
+
+
+class ZeroGradients(StepGradients):
+    """A step's gradients under ZeRO (cl_bench/step_gradients.py): each rank's fragment of a
+    parameter is the slice its partition holds, read from the optimiser's buffers
+    between the last backward and engine.step (DeepSpeed 0.19.x).
+      ZeRO-2: the parameter's `_hp_mapping` (deepspeed.utils.tensor_fragment): the
+        fp32 master slice, and the slice of the reduced gradient the step will flatten
+        into its partition (a view: written in place); none where the partition holds
+        no part of it.
+      ZeRO-3: the local API (safe_get_local_grad / safe_get_local_fp32_param): the
+        rank's padded partition of the flattened parameter, from rank x partition on;
+        written back with safe_set_local_grad."""
+
+    def __init__(self, deepspeed, zero: int):
+        self.ds, self.zero = deepspeed, zero
+        self.world_size = torch.distributed.get_world_size()
+
+    def fragments(self, params: list[torch.nn.Parameter], grad: bool = True) -> list[Fragment]:
+        part = self._zero3 if self.zero == 3 else self._zero2
+        return [f for f in (part(p, grad) for p in params) if f is not None]
+
+    def _zero2(self, p, with_grad: bool) -> Fragment | None:
+        mapping = getattr(p, "_hp_mapping", None)
+        if mapping is None:
+            return None
+        where = mapping.lp_fragment_address
+        grad = None
+        if with_grad:
+            grad = mapping.get_lp_grad_fragment(p._index_in_param_group).view(-1)
+            if grad.numel() == p.numel() != where.numel:  # the whole parameter's gradient: its slice
+                grad = grad.narrow(0, where.start, where.numel)
+        return Fragment(p, where.start, where.numel, grad, mapping.get_hp_fragment().view(-1))
+
+    def _zero3(self, p, with_grad: bool) -> Fragment | None:
+        size = p.ds_tensor.ds_numel  # the padded partition
+        start = torch.distributed.get_rank() * size
+        numel = min(size, p.ds_numel - start)
+        if numel <= 0:
+            return None
+        utils = self.ds.utils
+        grad = utils.safe_get_local_grad(p).reshape(-1)[:numel].clone() if with_grad else None
+        return Fragment(p, start, numel, grad, utils.safe_get_local_fp32_param(p).reshape(-1)[:numel])
+
+    def write(self, fragments: list[Fragment]) -> None:
+        if self.zero != 3:
+            return  # views of the partition's gradient
+        for f in fragments:
+            padded = f.grad.new_zeros(f.param.ds_tensor.ds_numel)
+            padded[:f.numel] = f.grad
+            self.ds.utils.safe_set_local_grad(f.param, padded)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        torch.distributed.all_reduce(t)
+        return t

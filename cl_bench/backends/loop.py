@@ -17,6 +17,8 @@ engine) and how the optimiser steps (clipping included; it logs "grad_norm").
 """
 from __future__ import annotations
 
+import random
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -54,9 +56,21 @@ Update = Callable[[dict[str, float]], None]  # the optimiser step; may add "grad
 
 
 def step_key(seed: int, stage: Stage, epoch: int, step: int) -> str:
-    """The key of a step's draws: its replay micro-batch (sample_rows) and, on the
-    deepspeed backend, each micro-batch's dropout."""
+    """The key of a step's draws: its replay micro-batch (sample_rows) and each
+    micro-batch's forward (`seeded`)."""
     return f"{seed}/{stage.label}/{epoch}/{step}"
+
+
+@contextmanager
+def seeded(key: str, device: torch.device):
+    """The draws of one micro-batch's forward (dropout, a method's noise) from a generator
+    seeded by its key, `step_key(...)/j` for the step's j-th job: the same on either
+    backend and on any number of ranks, whichever rank runs job j. The running stream is
+    put back afterwards."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type):
+        torch.manual_seed(random.Random(key).getrandbits(63))
+        yield
 
 
 def run_phase(method: Method, stage: Stage, epochs: list[list[dict]], pad_id: int, config: RunConfig,

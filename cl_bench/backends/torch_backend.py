@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from cl_bench.backends.base import Backend
-from cl_bench.backends.loop import Job, StepCallback, run_phase
+from cl_bench.backends.loop import Job, StepCallback, run_phase, seeded
 from cl_bench.method import Method, Stage
 from cl_bench.run import precision
 
@@ -19,7 +19,8 @@ class TorchBackend(Backend):
         """Run every optimiser step of `stage` (cl_bench/backends/loop.py); `epochs[e]`
         holds the tokenised rows of epoch e. Micro-batch losses are weighted by their
         share of the step's answer tokens, so a step's gradient does not depend on how
-        it is split. With `replay_rows`, each step adds one replay micro-batch through
+        it is split. Each micro-batch's forward draws from its own seeded generator
+        (loop.seeded), as on the deepspeed backend. With `replay_rows`, each step adds one replay micro-batch through
         `method.replay_loss` (the interleave policy). Forward passes run under the
         training precision's autocast (bf16: fp32 weights, gradients and optimiser
         state). Steps before `start_step` were taken before an in-stage checkpoint:
@@ -32,9 +33,9 @@ class TorchBackend(Backend):
         def backward(jobs: list[Job], step: int, key: str) -> dict[str, float]:
             optimizer.zero_grad(set_to_none=True)
             parts: dict[str, float] = {}
-            for job in jobs:
+            for j, job in enumerate(jobs):
                 micro = {k: v.to(self.device) for k, v in job.micro.items()}
-                with precision.autocast(self.train_precision, self.device):
+                with seeded(f"{key}/{j}", self.device), precision.autocast(self.train_precision, self.device):
                     loss, named = job.hook(micro, step)
                 (loss * job.weight).backward()
                 job.log(parts, named)

@@ -1,0 +1,70 @@
+"""A step's gradients and weights as a method may change them in `before_step`, the
+same way on every backend: each rank sees its own part of each parameter.
+
+Between the last backward of a step and the optimiser step, `method.ctx.grads`
+(a StepGradients: one process's, or the backend's for the phase) gives
+
+    fragments(params)  this rank's Fragment of each parameter: flat indices
+                       [start, start + numel) of the parameter's values, the step's
+                       gradient over them (reduced over ranks, summed over the step's
+                       micro-batches: what the optimiser will use, clipping included)
+                       and the fp32 weights over them; with grad=False the weights
+                       only, which a loss may read too (no gradient exists yet then);
+    write(fragments)   the fragments' gradients, changed in place, put back;
+    all_reduce(t)      t summed over ranks, in place (one rank: t itself).
+
+A per-coordinate change (a penalty's gradient) needs no communication; a linear
+one (a projection) needs its coefficients summed over ranks: every rank calls
+`all_reduce` the same number of times, in the same order (before_step runs on
+every rank). On the torch backend a fragment is the whole parameter and its
+`.grad` (created as zeros where it is None); on the deepspeed backend it is the
+slice that ZeRO's partition puts on this rank (backends/deepspeed_backend.py,
+ZeroGradients): a rank may hold no part of a small parameter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Fragment:
+    """This rank's part of one parameter during a step (module docstring). `grad` and
+    `weight` are flat tensors of `numel` values; write into `grad` only (None where
+    asked for the weights only)."""
+
+    param: nn.Parameter
+    start: int
+    numel: int
+    grad: torch.Tensor | None
+    weight: torch.Tensor
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.numel
+
+    def of(self, full: torch.Tensor) -> torch.Tensor:
+        """The same slice of a tensor shaped like the parameter (F, θ*, a basis row)."""
+        return full.reshape(-1)[self.start:self.stop]
+
+
+class StepGradients:
+    """One process (the torch backend): every parameter whole, its `.grad` in place."""
+
+    world_size = 1
+
+    def fragments(self, params: list[nn.Parameter], grad: bool = True) -> list[Fragment]:
+        out = []
+        for p in params:
+            if grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+            out.append(Fragment(p, 0, p.numel(), p.grad.view(-1) if grad else None, p.detach().view(-1)))
+        return out
+
+    def write(self, fragments: list[Fragment]) -> None:
+        """The fragments' `grad` are views of `.grad`: nothing to put back."""
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t
