@@ -128,11 +128,17 @@ class Method:
     # for it is refused before anything loads). Outside a training phase the model is
     # an ordinary module on every rank, so setup, before/after_task, eval and state
     # hooks may do anything. Inside one, a method runs when its loss/replay_loss
-    # compute losses through self.model and its before_step/after_step leave weights,
-    # gradients and the optimiser alone and keep no state built from the micro-batches
-    # they see: ZeRO partitions gradients (2) and weights (3), keeps fp32 master copies
-    # of the weights inside its optimiser, and each rank sees different micro-batches.
+    # compute losses through self.model, its before_step changes gradients only
+    # through self.ctx.grads, its after_step leaves weights and the optimiser alone, and
+    # it keeps no state built from the micro-batches its loss sees (step_batches gives
+    # every rank the whole step): ZeRO partitions gradients (2) and weights (3), keeps
+    # fp32 master copies of the weights inside its optimiser, and each rank sees
+    # different micro-batches.
     zero_unsupported: ClassVar[dict[int, str]] = {}
+    # Whether its replay_loss keeps state every rank must hold (an outer step on its own
+    # parameters, records, caches): the deepspeed backend then runs each step's replay
+    # micro-batch on every rank, at weight 1/N each (the same gradient), instead of on one.
+    replay_on_every_rank: ClassVar[bool] = False
 
     def __init__(self, args: MethodArgs, context: MethodContext):
         self.args = args
@@ -234,9 +240,18 @@ class Method:
         Default: none."""
         return {}
 
+    def step_batches(self, step: int, micro_batches: list[dict[str, torch.Tensor]],
+                     replay: dict[str, torch.Tensor] | None) -> None:
+        """Called at the start of each optimiser step on every rank with all of the step's
+        task micro-batches and its replay micro-batch (None without one), whichever rank
+        computes each: for what a method keeps of the step's data. `loss` sees only
+        this rank's share on N ranks, and a weight-0 padding copy besides."""
+
     def before_step(self, step: int) -> None:
         """Called once a step's gradients are accumulated, before clipping and the
-        optimiser step (gradient projection, masking ...)."""
+        optimiser step, on every rank (gradient projection, masking ...): change them
+        through `self.ctx.grads` (cl_bench/step_gradients.py), which gives this rank's
+        part of each parameter; collectives there are taken by every rank."""
 
     def after_step(self, step: int) -> None:
         """Called after each optimiser step."""

@@ -4,7 +4,10 @@ Every rank runs the whole sequencer on the same data. Per optimiser step the
 step's micro-batches (train.batch_size examples in all, whatever the number of
 ranks) and its replay micro-batch are dealt out round-robin; a rank with fewer
 runs a weight-0 copy of one so every rank makes the same number of backward
-passes. Each micro-batch loss is weighted by its share of the step's answer
+passes (its loss hook runs: a method keeps what it needs of the step's data from
+Method.step_batches, which every rank gets whole). A method whose replay_loss
+keeps state (Method.replay_on_every_rank) gets the replay micro-batch on every
+rank, at weight 1/N. Each micro-batch loss is weighted by its share of the step's answer
 tokens times the number of ranks (the engine averages over ranks), so the step's
 gradient is the torch backend's, and dropout draws from a generator seeded by
 (seed, stage, epoch, step, micro-batch): a run's numbers do not depend on how many
@@ -236,7 +239,7 @@ class DeepSpeedBackend(Backend):
 
         def backward(jobs: list[Job], step: int, key: str) -> dict[str, float]:
             parts: dict[str, float] = {}
-            mine = self._share(jobs)
+            mine = self._share(jobs, method.replay_on_every_rank)
             for i, (j, job) in enumerate(mine):
                 engine.set_gradient_accumulation_boundary(i == len(mine) - 1)
                 micro = {k: v.to(self.device) for k, v in job.micro.items()}
@@ -264,13 +267,21 @@ class DeepSpeedBackend(Backend):
         phase.close()
         return replayed
 
-    def _share(self, jobs: list[Job]) -> list[tuple[int, Job]]:
+    def _share(self, jobs: list[Job], replay_everywhere: bool = False) -> list[tuple[int, Job]]:
         """This rank's (index, job) pairs: jobs r, r + N, ... of the step, padded with
-        weight-0 copies of the first so that every rank runs as many backward passes."""
-        n = -(-len(jobs) // self.world_size)
-        idle = Job(jobs[0].micro, 0.0, jobs[0].hook, None)
-        return [(j, jobs[j] if j < len(jobs) else idle)
-                for j in range(self.rank, n * self.world_size, self.world_size)]
+        weight-0 copies of the first so that every rank runs as many backward passes.
+        `replay_everywhere` (Method.replay_on_every_rank): the replay job, the last, runs
+        on every rank at weight 1/N (the same gradient), its parts logged by rank 0."""
+        replay = jobs[-1] if replay_everywhere and jobs[-1].prefix == "replay_" else None
+        shared = jobs[:-1] if replay is not None else jobs
+        n = -(-len(shared) // self.world_size) if shared else 0
+        idle = Job(shared[0].micro, 0.0, shared[0].hook, None) if shared else None
+        mine = [(j, shared[j] if j < len(shared) else idle) for j in range(self.rank, n * self.world_size,
+                                                                         self.world_size)]
+        if replay is not None:
+            mine.append((len(shared), Job(replay.micro, replay.weight / self.world_size, replay.hook,
+                                          replay.prefix if self.is_main else None)))
+        return mine
 
     def _sum_parts(self, parts: dict[str, float]) -> dict[str, float]:
         """Each rank's token-weighted parts, summed (replay parts come from one rank)."""

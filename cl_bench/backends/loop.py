@@ -6,6 +6,7 @@ rows in micro-batches of train.micro_batch_size):
            hook = method.loss; with interleaved replay, one more micro-batch of
            sample_rows(replay_rows, micro_batch_size, step_key) at weight 1 through
            method.replay_loss
+    method.step_batches(s, micro-batches, replay micro-batch)   (every rank, all of them)
     backward(jobs, s, step_key)  -> the step's logged parts     (the backend's)
     method.before_step(s) -> update(parts) -> method.after_step(s) -> on_step(s, parts)
 
@@ -95,6 +96,7 @@ def run_phase(method: Method, stage: Stage, epochs: list[list[dict]], pad_id: in
                 rows_r = sample_rows(replay_rows, t.micro_batch_size, key)
                 jobs.append(Job(collate(rows_r, pad_id), 1.0, method.replay_loss, "replay_"))
                 replayed += len(rows_r)
+            method.step_batches(step, batch.micro_batches, jobs[-1].micro if replay_rows else None)
             parts = backward(jobs, step, key)
             method.before_step(step)
             update(parts)

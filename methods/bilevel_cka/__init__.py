@@ -32,6 +32,13 @@ Differs from the paper/code (bilevel-reference.md §8), on purpose:
 - tau reaches tau_final within each task; mask_lr raised where the task's updates
   are fewer than the paper's, up to the paper's reach;
 - shared weights frozen by default (train_shared=true trains them).
+
+On the deepspeed backend (ZeRO-2 as the paper, or ZeRO-3) every rank takes the same
+outer step: the replay micro-batch runs on every rank (replay_on_every_rank, at
+weight 1/N), the outer step's task micro-batch is the step's last whichever rank
+computes it (step_batches), and the Gumbel noise comes from the task's own
+generator, drawn once per step: the mask logits, the records and the decisions are
+the torch backend's (tests/backends/test_deepspeed_ranks.py).
 """
 from __future__ import annotations
 
@@ -75,11 +82,10 @@ class BilevelCKA(Method):
     description = "CKA-guided bilevel upcycling: clones of the active experts, learned masks pick Expand/Recycle"
     lr_family = "expert"
     Args = BilevelCKAArgs
-    zero_unsupported = dict.fromkeys((2, 3), (
-        "its outer step trains the mask logits with their own optimiser inside replay_loss "
-        "(torch.autograd.grad through the model): only the rank holding a step's replay micro-batch would "
-        "take it, and ZeRO-3 cannot differentiate partitioned weights outside the engine's backward"))
     uses_replay = True
+    # the outer step (Adam on the mask logits), the CKA record and the reference cache live in
+    # replay_loss: every rank takes the same outer step on the same batches with the same noise
+    replay_on_every_rank = True
 
     def __init__(self, args: BilevelCKAArgs, context):
         super().__init__(args, context)
@@ -224,9 +230,14 @@ class BilevelCKA(Method):
         with balancing_losses() as balance_terms:
             lm = lm_loss(self.model, batch)
         lb = balance_terms.total(device_of(self.model))
-        task.task_batch = batch
-        task.task_batches.append(batch)
         return lm + lb, {"lm": lm.item(), "lb": lb.item(), "expand": float(pi.mean())}
+
+    def step_batches(self, step, micro_batches, replay):
+        """The outer step's task micro-batch (the step's last) and the deploy check's last
+        ones: the step's, on every rank, whichever computes them."""
+        if self._task is not None:
+            self._task.task_batch = micro_batches[-1]
+            self._task.task_batches.extend(micro_batches)
 
     def replay_loss(self, batch, step):
         a, task = self.args, self._task
@@ -282,7 +293,8 @@ class BilevelCKA(Method):
         task = self._task
         if task is None:
             return {}
-        self.loss(micro_batches[-1], step)  # this step's pi, and the outer step's task micro-batch
+        self.step_batches(step, micro_batches, replay)  # the outer step's task micro-batch
+        self.loss(micro_batches[-1], step)  # this step's pi
         rows = self._features.rows(replay)
 
         def replay_pass():

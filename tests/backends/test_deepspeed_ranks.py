@@ -11,8 +11,10 @@ most 6e-7 relative; the ranks add their gradients in another order), the R matri
 every prediction equal. Dropout draws per micro-batch on both backends (loop.seeded),
 so LoRA's runs compare with the torch backend too.
 
-The methods that change a step's gradients (cl_bench/step_gradients.py) on their
-rank's fragments: ewc at λ = 1e6, so the penalty's gradient dominates the step
+The flagship takes its outer step on every rank (Method.replay_on_every_rank): with
+the replay micro-batch on one rank only, the mask logits part (expand 0.404 against
+0.3125 at stage 1 step 1, checked by hand, ZeRO-2). The methods that change a step's
+gradients (cl_bench/step_gradients.py) on their rank's fragments: ewc at λ = 1e6, so the penalty's gradient dominates the step
 (grad_norm ~150 against ~2); skipping it on rank 1 gives grad_norm 111.5 against
 148.5, and ogd without the all-reduce of its coefficients gives 0.6299 against
 0.6350 (both checked by hand, ZeRO-2).
@@ -36,7 +38,7 @@ from helpers import (assert_same_run, deepspeed_args, interrupted_ds_run, make_t
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deepspeed-ranks")]
 
 # replay: 2 micro-batches and a replay one per step, so one rank also runs a padding copy
-RUNS = [(method, zero) for method in ("seqft", "lora", "upcycle", "ewc", "ogd") for zero in (2, 3)] + [
+RUNS = [(method, zero) for method in ("seqft", "lora", "upcycle", "ewc", "ogd", "bilevel-cka") for zero in (2, 3)] + [
     ("replay", 2), ("olora", 2)]
 RESUMED = ("upcycle", 3)
 ARGS = {"ewc": ["--method-arg", "lambda_ewc=1e6"]}  # the penalty's gradient dominates: a rank skipping it shows

@@ -31,6 +31,13 @@ def make(**args):
 batch = random_batch  # two rows of 12 random ids, the second right-padded
 
 
+def task_loss(method, b, step):
+    """A step's task micro-batch `b` as the harness gives it: step_batches first (the
+    outer step's task micro-batch), then the loss."""
+    method.step_batches(step, [b], None)
+    return method.loss(b, step)
+
+
 def logits(model, b, method=None, pi=None):
     if pi is not None:
         method._task.set_masks(pi)
@@ -45,7 +52,7 @@ def train(method, steps, stage, previous=None, log=None):
     optimizer = method.optimizer_for_stage(stage, previous)
     for step in range(steps):
         optimizer.zero_grad()
-        loss, _ = method.loss(batch(step), step)
+        loss, _ = task_loss(method, batch(step), step)
         loss.backward()
         loss, parts = method.replay_loss(batch(100 + step), step)
         loss.backward()

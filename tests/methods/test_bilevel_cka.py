@@ -14,7 +14,7 @@ from cl_bench.method import Stage
 from cl_bench.methods.bilevel_cka import BilevelCKAArgs, mask_schedule, straight_through_gumbel
 from cl_bench.methods.bilevel_cka.search import LayerFeatures
 from helpers import answer_ce
-from bilevel_cka_setup import K, batch, clone_params, logits, make, train
+from bilevel_cka_setup import K, batch, clone_params, logits, make, task_loss, train
 
 
 # ---- pieces ----------------------------------------------------------------------------
@@ -153,7 +153,7 @@ def test_a_replay_step_runs_the_reference_only_for_rows_new_to_the_task_and_its_
 
     def grads(step):
         model.zero_grad()
-        method.loss(batch(0), step)
+        task_loss(method, batch(0), step)
         loss, parts = method.replay_loss(replay, step)
         loss.backward()
         return parts, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -178,7 +178,7 @@ def test_the_cka_term_carries_gradient_to_the_clones():
         with torch.no_grad():
             for p in clone_params(method).values():
                 p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
-        method.loss(batch(0), 0)
+        task_loss(method, batch(0), 0)
         loss, parts = method.replay_loss(batch(1), 0)
         assert 0 < parts["cka"] < 1 and parts["cka_loss"] == pytest.approx(1 - parts["cka"])
         loss.backward()
@@ -202,7 +202,7 @@ def test_outer_step_updates_the_mask_logits_and_tau():
     assert "mask_loss" not in parts and torch.equal(task.logits, start)  # step 0: not yet
     for p in model.parameters():
         p.grad = None
-    method.loss(batch(5), 1)
+    task_loss(method, batch(5), 1)
     _, parts = method.replay_loss(batch(6), 1)
     assert all(p.grad is None for p in model.parameters())  # the outer step leaves the model's gradients alone
     assert {"mask_loss", "mask_replay", "mask_gain", "mask_balance", "mask_rate", "tau"} <= set(parts)
@@ -224,7 +224,7 @@ def test_the_task_loss_is_the_answer_ce_plus_the_balancing_term():
     for coef in (0.0, 0.01, 0.02):
         method, model = make(lb_coef=coef)
         method.before_task(Stage(1, [], "task 1"))
-        loss, parts = method.loss(b, 0)
+        loss, parts = task_loss(method, b, 0)
         with torch.no_grad():
             ce = answer_ce(model, b)  # the same step: the same masks
         assert parts["lm"] == pytest.approx(float(ce), rel=1e-6)
@@ -246,7 +246,7 @@ def test_the_cka_gradient_scales_with_lambda_cka():
         with torch.no_grad():  # clones off their experts, so CKA < 1 and its gradient is not ~0
             for p in trainable_params(model).values():
                 p.add_(0.05 * torch.randn(p.shape, generator=g))
-        method.loss(batch(0), 0)
+        task_loss(method, batch(0), 0)
         loss, parts = method.replay_loss(batch(1), 0)
         assert 0 < parts["cka_loss"] < 1
         assert loss.item() == pytest.approx(lam * parts["cka_loss"], rel=1e-6)
@@ -274,7 +274,7 @@ def test_the_knowledge_gain_moves_every_mask_towards_the_lower_loss(noise):
     with torch.no_grad():
         for p in trainable_params(model).values():  # the clones and their rows
             p.add_(noise * p.detach().std() * torch.randn(p.shape, generator=g))
-    method.loss(batch(0), 0)
+    task_loss(method, batch(0), 0)
     _, parts = method.replay_loss(batch(1), 0)  # step 0 with N = 1: an outer step
     assert parts["mask_rate"] > 0 and parts["mask_gain"] != 0
     sign = 1.0 if parts["mask_gain"] > 0 else -1.0  # mask_gain = (L_recycle - L_expand) * rate
@@ -314,7 +314,7 @@ def test_outer_sample_shared_runs_one_replay_forward_for_the_outer_and_the_inner
         method.before_task(Stage(1, [], "task 1"))
         task = method._task
         calls, start = forwards(model), task.logits.detach().clone()
-        method.loss(batch(0), 0)
+        task_loss(method, batch(0), 0)
         loss, parts = method.replay_loss(batch(1), 0)
         counts[mode] = calls[0]
         loss.backward()
