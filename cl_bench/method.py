@@ -79,6 +79,9 @@ class MethodContext:
     # the step's gradients and weights in before_step, this rank's part of each parameter
     # (cl_bench/step_gradients.py): one process's unless a backend sets its own for a phase
     grads: StepGradients = field(default_factory=StepGradients)
+    # True while the deepspeed backend runs a weight-0 padding copy of a micro-batch (a rank
+    # with fewer than the others): a loss keeps no statistics of it
+    padding: bool = False
 
     @classmethod
     def for_shapes(cls, n_stages: int) -> MethodContext:

@@ -11,7 +11,14 @@ Between the last backward of a step and the optimiser step, `method.ctx.grads`
                        and the fp32 weights over them; with grad=False the weights
                        only, which a loss may read too (no gradient exists yet then);
     write(fragments)   the fragments' gradients, changed in place, put back;
-    all_reduce(t)      t summed over ranks, in place (one rank: t itself).
+    set_weights(params, fragments)
+                       after the optimiser step (after_step): the fragments' fp32
+                       `weight`, changed in place, become the weights the next
+                       forward uses on every rank (ZeRO: the masters are written
+                       in place; the working copies follow);
+    all_reduce(t)      t summed over ranks, in place (one rank: t itself);
+    all_gather(values) a list of this rank's values -> every rank's, concatenated
+                       in rank order (statistics a loss kept of its micro-batches).
 
 A per-coordinate change (a penalty's gradient) needs no communication; a linear
 one (a projection) needs its coefficients summed over ranks: every rank calls
@@ -66,5 +73,12 @@ class StepGradients:
     def write(self, fragments: list[Fragment]) -> None:
         """The fragments' `grad` are views of `.grad`: nothing to put back."""
 
+    def set_weights(self, params: list[nn.Parameter], fragments: list[Fragment]) -> None:
+        """The fragments' `weight` are the parameters themselves: nothing to copy. On N
+        ranks every rank calls it with the same `params`, in the same order."""
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         return t
+
+    def all_gather(self, values: list) -> list:
+        return list(values)

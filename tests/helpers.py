@@ -281,9 +281,26 @@ def log_rows(run_dir: Path) -> list[dict]:
     return results.read_jsonl(run_dir / "metrics.jsonl")
 
 
+def assert_close_values(x, y, rtol: float, atol: float, at: str) -> None:
+    """Two JSON values equal, floats within the tolerance (nested dicts and lists)."""
+    if isinstance(x, dict) and isinstance(y, dict):
+        assert x.keys() == y.keys(), at
+        for key in x:
+            assert_close_values(x[key], y[key], rtol, atol, f"{at}.{key}")
+    elif isinstance(x, list) and isinstance(y, list):
+        assert len(x) == len(y), at
+        for i, (u, v) in enumerate(zip(x, y)):
+            assert_close_values(u, v, rtol, atol, f"{at}[{i}]")
+    elif isinstance(x, float) or isinstance(y, float):
+        assert y == pytest.approx(x, rel=rtol, abs=atol), (at, x, y)
+    else:
+        assert x == y, (at, x, y)
+
+
 def assert_same_run(a: Path, b: Path, rtol: float = LOSS_RTOL, atol: float = 1e-6) -> None:
     """Two run folders hold the same results: every logged number within the tolerance
-    (grad_norm: DeepSpeed sums its squares in fp64), the R matrix and the predictions equal."""
+    (grad_norm: DeepSpeed sums its squares in fp64), the R matrix and the predictions equal,
+    the parameter rows (counts, each method's stage record) equal, floats within the tolerance."""
     ra, rb = log_rows(a), log_rows(b)
     assert len(ra) == len(rb) > 0
     for x, y in zip(ra, rb):
@@ -292,6 +309,8 @@ def assert_same_run(a: Path, b: Path, rtol: float = LOSS_RTOL, atol: float = 1e-
             assert y[key] == pytest.approx(x[key], rel=rtol, abs=atol), (key, x, y)
     rec_a, rec_b = (json.loads((d / "run.json").read_text()) for d in (a, b))
     assert rec_a["matrix"] == rec_b["matrix"]
+    # counts and the methods' records; those round to 6 decimals (record.schema.rounded): a last-place step
+    assert_close_values(rec_a["params"], rec_b["params"], rtol, max(atol, 2e-6), "params")
     preds = lambda d: [r["prediction"] for r in results.read_jsonl(d / "predictions.jsonl")]
     assert preds(a) == preds(b)
 

@@ -243,8 +243,10 @@ class DeepSpeedBackend(Backend):
             for i, (j, job) in enumerate(mine):
                 engine.set_gradient_accumulation_boundary(i == len(mine) - 1)
                 micro = {k: v.to(self.device) for k, v in job.micro.items()}
+                method.ctx.padding = job.weight == 0.0 and job.prefix is None
                 with seeded(f"{key}/{j}", self.device):
                     loss, named = engine(job.hook, micro, step)
+                method.ctx.padding = False
                 # the engine averages over ranks: the weights add up to 1 over all of them
                 engine.backward(loss * (job.weight * self.world_size), scale_wrt_gas=False)
                 job.log(parts, named)
@@ -346,6 +348,32 @@ class ZeroGradients(StepGradients):
             padded[:f.numel] = f.grad
             self.ds.utils.safe_set_local_grad(f.param, padded)
 
+    def set_weights(self, params: list[torch.nn.Parameter], fragments: list[Fragment]) -> None:
+        """The masters were written in place; the working copies follow them. ZeRO-2: each
+        rank holds every weight whole, so each parameter is assembled from the ranks'
+        fragments (one all-reduce a parameter, in `params` order on every rank); ZeRO-3:
+        this rank's partition, and the whole weight too where ZeRO-3 keeps it gathered
+        (a parameter under stage3_param_persistence_threshold)."""
+        mine = {id(f.param): f for f in fragments}
+        with torch.no_grad():
+            for p in params:
+                f = mine.get(id(p))
+                if self.zero == 3:
+                    if f is not None:
+                        p.ds_tensor.view(-1)[:f.numel].copy_(f.weight)
+                    if not getattr(p, "ds_persist", False):
+                        continue
+                full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+                if f is not None:
+                    full[f.start:f.stop] = f.weight
+                torch.distributed.all_reduce(full)
+                p.data.copy_(full.view_as(p))
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         torch.distributed.all_reduce(t)
         return t
+
+    def all_gather(self, values: list) -> list:
+        gathered: list = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, list(values))
+        return [v for part in gathered for v in part]

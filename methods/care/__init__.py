@@ -64,9 +64,6 @@ class CaRE(Method):
                    "lowest perceiver entropy, anchored shared adapter, frozen LLM")
     Args = CareArgs
     lr_schedule = ("cosine", 0.03)  # linear warm-up over 3% of each task's steps, cosine to 0 (adaptation)
-    zero_unsupported = dict.fromkeys((2, 3), (
-        "after_step pulls the shared adapter toward its task-start value in place, which the engine's fp32 "
-        "master weights (ZeRO-2) would overwrite and partitioned weights (ZeRO-3) do not hold"))
 
     def setup(self, model: nn.Module) -> None:
         self.model = model
@@ -212,15 +209,27 @@ class CaRE(Method):
         logits = [r["perceiver"][t] for r in records]  # L x (B, G): the current perceivers
         pc, ce, kl = perceiver_loss(logits, y, a.logit_scale, self.temperatures())
         hits = torch.stack([(r["entropy"].argmin(dim=1) == t).float().mean() for r in records])
-        self._perceiver_ce.setdefault(step, []).append(ce.item())
+        if not self.ctx.padding:
+            self._perceiver_ce.setdefault(step, []).append(ce.item())
         return lm + a.perceiver_weight * pc, {"lm": lm.item(), "perceiver": pc.item(), "perceiver_ce": ce.item(),
                                               "perceiver_kl": kl.item(), "task_id_acc": hits.mean().item()}
 
+    def before_step(self, step: int) -> None:
+        """Every rank's perceiver CE of this step's micro-batches (each rank's loss saw its share)."""
+        self._perceiver_ce[step] = self.ctx.grads.all_gather(self._perceiver_ce.get(step, []))
+
     @torch.no_grad()
     def after_step(self, step: int) -> None:
-        if self._anchor is not None:  # Ebar <- mu * Ebar_start + (1 - mu) * Ebar
-            for p, start in zip(self._shared_params(), self._anchor):
-                p.lerp_(start, self.args.anchor)
+        """Ebar <- mu * Ebar_start + (1 - mu) * Ebar on the weights the optimiser steps
+        (ZeRO: this rank's fp32 master fragment; the working copies follow)."""
+        if self._anchor is None:
+            return
+        start = {id(p): s for p, s in zip(self._shared_params(), self._anchor)}
+        params, grads = [p for p in self._shared_params() if p.requires_grad], self.ctx.grads  # what the optimiser steps
+        fragments = grads.fragments(params, grad=False)
+        for f in fragments:
+            f.weight.lerp_(f.of(start[id(f.param)]).to(f.weight.dtype), self.args.anchor)
+        grads.set_weights(params, fragments)
 
     # ---- task end -----------------------------------------------------------------------
     def after_task(self, stage: Stage) -> None:

@@ -136,6 +136,23 @@ def test_cli_starts_its_ranks_and_only_rank_zero_speaks(trace_dir, tmp_path):
             assert not torch.allclose(gate, dense.reshape(gate.shape)), (layer, g)
 
 
+def test_three_ranks_the_padding_copy_feeds_no_statistic(trace_dir, tmp_path):
+    """CaRE at ZeRO-2 on 3 ranks: a step's 2 task micro-batches leave rank 2 a weight-0
+    copy of the first; its loss runs (every rank makes as many backward passes) but the
+    perceiver CE it computes stays out of the record (ctx.padding), and the shared
+    adapter's anchor pull lands on the fp32 masters: the run is the torch backend's.
+    Mutations caught (checked by hand): the copy's CE kept (perceiver_ce_end differs),
+    the statistics not gathered in before_step, the pull applied to the working copy."""
+    one, three = tmp_path / "one", tmp_path / "three"
+    assert run_cli(*smoke_args(trace_dir, one, "--method", "care")) == 0
+    argv = smoke_args(trace_dir, three, "--method", "care", "--nproc", "3", *deepspeed_args(tmp_path, 2))
+    done = subprocess.run([sys.executable, "-m", "cl_bench.cli", *map(str, argv)], env=_launch_env(),
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert json.loads((only_run(three) / "run.json").read_text())["backend"]["world_size"] == 3
+    assert_same_run(only_run(one), only_run(three))
+
+
 def _port() -> int:
     from cl_bench.backends.deepspeed_backend import free_port
 
