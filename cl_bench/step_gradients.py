@@ -16,6 +16,10 @@ Between the last backward of a step and the optimiser step, `method.ctx.grads`
                        `weight`, changed in place, become the weights the next
                        forward uses on every rank (ZeRO: the masters are written
                        in place; the working copies follow);
+    assemble(params, fragments, values)
+                       per parameter, a whole flat tensor from each rank's slice of
+                       it (`values`: id(param) -> this rank's fragment-sized tensor):
+                       what the ranks computed on their fragments, whole on every rank;
     all_reduce(t)      t summed over ranks, in place (one rank: t itself);
     all_gather(values) a list of this rank's values -> every rank's, concatenated
                        in rank order (statistics a loss kept of its micro-batches).
@@ -76,6 +80,11 @@ class StepGradients:
     def set_weights(self, params: list[nn.Parameter], fragments: list[Fragment]) -> None:
         """The fragments' `weight` are the parameters themselves: nothing to copy. On N
         ranks every rank calls it with the same `params`, in the same order."""
+
+    def assemble(self, params: list[nn.Parameter], fragments: list[Fragment],
+                 values: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """One process: each fragment is its whole parameter, so `values` already are."""
+        return dict(values)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         return t

@@ -350,24 +350,36 @@ class ZeroGradients(StepGradients):
 
     def set_weights(self, params: list[torch.nn.Parameter], fragments: list[Fragment]) -> None:
         """The masters were written in place; the working copies follow them. ZeRO-2: each
-        rank holds every weight whole, so each parameter is assembled from the ranks'
-        fragments (one all-reduce a parameter, in `params` order on every rank); ZeRO-3:
-        this rank's partition, and the whole weight too where ZeRO-3 keeps it gathered
-        (a parameter under stage3_param_persistence_threshold)."""
-        mine = {id(f.param): f for f in fragments}
+        rank holds every weight whole, assembled from the ranks' fragments; ZeRO-3: this
+        rank's partition, and the whole weight too where ZeRO-3 keeps it gathered (a
+        parameter under stage3_param_persistence_threshold)."""
         with torch.no_grad():
+            if self.zero == 3:
+                for f in fragments:
+                    f.param.ds_tensor.view(-1)[:f.numel].copy_(f.weight)
+                params = [p for p in params if getattr(p, "ds_persist", False)]
+            whole = self.assemble(params, fragments, {id(f.param): f.weight for f in fragments})
             for p in params:
-                f = mine.get(id(p))
-                if self.zero == 3:
-                    if f is not None:
-                        p.ds_tensor.view(-1)[:f.numel].copy_(f.weight)
-                    if not getattr(p, "ds_persist", False):
-                        continue
-                full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
-                if f is not None:
-                    full[f.start:f.stop] = f.weight
-                torch.distributed.all_reduce(full)
-                p.data.copy_(full.view_as(p))
+                p.data.copy_(whole[id(p)].view_as(p))
+
+    def assemble(self, params: list[torch.nn.Parameter], fragments: list[Fragment],
+                 values: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """One all-reduce a parameter, in `params` order on every rank: a zero tensor of
+        its size with this rank's slice filled in."""
+        where = {id(f.param): f for f in fragments}
+        out = {}
+        for p in params:
+            full = torch.zeros(getattr(p, "ds_numel", p.numel()), dtype=torch.float32, device=self.device_of(p))
+            f = where.get(id(p))
+            if f is not None:
+                full[f.start:f.stop] = values[id(p)]
+            torch.distributed.all_reduce(full)
+            out[id(p)] = full
+        return out
+
+    @staticmethod
+    def device_of(p: torch.nn.Parameter) -> torch.device:
+        return p.ds_tensor.device if hasattr(p, "ds_tensor") else p.device
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         torch.distributed.all_reduce(t)

@@ -58,10 +58,9 @@ class ClusterUpcycle(Method):
                    "task's prompts, centroid router rows, EMA dense-teacher self-distillation")
     lr_family = "expert"
     Args = ClusterUpcycleArgs
-    zero_unsupported = dict.fromkeys((2, 3), (
-        "its EMA teacher averages the live weights after every step and runs the model on its own copies "
-        "(torch.func.functional_call); under the engine the live weights are bf16 casts of fp32 masters "
-        "(ZeRO-2) or partitions (ZeRO-3)"))
+    zero_unsupported = {3: (
+        "its EMA teacher runs the model on the EMA copies through torch.func.functional_call, which swaps "
+        "plain tensors in for ZeRO-3's partitioned parameters, and DeepSpeed's fetch hooks need their ds_status")}
 
     def __init__(self, args: ClusterUpcycleArgs, context):
         super().__init__(args, context)
@@ -156,7 +155,7 @@ class ClusterUpcycle(Method):
         self._ema, self._ema_pairs = sync_ema(self.model, self._ema)
 
     def after_step(self, step: int) -> None:
-        ema_step(self._ema_pairs, self.args.ema_decay)
+        ema_step(self._ema_pairs, self.args.ema_decay, self.ctx.grads)
 
     def teacher_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """(B, T, V) logits of the EMA model with every MoE layer dense (no gradient)."""

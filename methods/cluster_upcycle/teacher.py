@@ -8,7 +8,8 @@ Formulas (L_EESD is cl_bench.losses.distillation_kl):
 Source: cluster-aware upcycling (CAU, CVPR 2026, arXiv 2604.13508; no code).
 
 Differs from the paper (not public; chosen): KL(teacher || student) on answer
-tokens, T = 1, weight 1, decay 0.999 per step; the EMA covers only what trains in
+tokens, T = 1, weight 1, decay 0.999 per step (from the fp32 weights the optimiser
+steps, on any backend); the EMA covers only what trains in
 the task (frozen groups enter at their fixed values) and, by default, carries over
 from task to task (ema_reset=true restarts it); the seed's layer-local MSE variant
 is not implemented.
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from cl_bench.models.moe import moe_layers
+from cl_bench.step_gradients import StepGradients
 
 
 @contextlib.contextmanager
@@ -50,10 +52,19 @@ def sync_ema(model: nn.Module, ema: dict[str, torch.Tensor]
     return ema, [(value, params[name]) for name, value in ema.items()]
 
 
-def ema_step(pairs: list[tuple[torch.Tensor, nn.Parameter]], decay: float) -> None:
+def ema_step(pairs: list[tuple[torch.Tensor, nn.Parameter]], decay: float, grads: StepGradients) -> None:
+    """value <- d value + (1 - d) p, p the weights the optimiser steps (ZeRO: the fp32
+    masters, each rank its fragment, the averages then assembled whole on every rank:
+    the teacher runs on whole weights; `grads`: the phase's, cl_bench/step_gradients.py)."""
     with torch.no_grad():
+        params = [p for _, p in pairs]
+        fragments = grads.fragments(params, grad=False)
+        value_of = {id(p): v for v, p in pairs}
+        new = {id(f.param): f.of(value_of[id(f.param)]).lerp(f.weight.to(value_of[id(f.param)].dtype), 1 - decay)
+               for f in fragments}
+        whole = grads.assemble(params, fragments, new)
         for value, p in pairs:
-            value.lerp_(p.detach(), 1 - decay)  # value <- d value + (1 - d) p
+            value.copy_(whole[id(p)].view_as(value))
 
 
 def teacher_logits(model: nn.Module, ema: dict[str, torch.Tensor],

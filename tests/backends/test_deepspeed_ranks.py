@@ -1,6 +1,7 @@
 """The deepspeed backend on 2 ranks (CPU, gloo): ZeRO-2 and ZeRO-3 runs of seqft,
-lora, upcycle, ewc and ogd (and replay and olora on ZeRO-2) on the smoke profile agree
-with the torch backend, resume works, and only rank 0 writes, logs and shows progress.
+lora, upcycle, ewc, ogd, bilevel-cka and care (and replay, olora and cluster-upcycle on
+ZeRO-2) on the smoke profile agree with the torch backend, resume works, and only
+rank 0 writes, logs and shows progress; care on 3 ranks, one running a padding copy.
 
 One launch (torchrun: the "launched from outside" path) runs the seven runs and an
 interrupted-and-resumed one inside the same two processes, which saves five
@@ -38,8 +39,8 @@ from helpers import (assert_same_run, deepspeed_args, interrupted_ds_run, make_t
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deepspeed-ranks")]
 
 # replay: 2 micro-batches and a replay one per step, so one rank also runs a padding copy
-RUNS = [(method, zero) for method in ("seqft", "lora", "upcycle", "ewc", "ogd", "bilevel-cka") for zero in (2, 3)] + [
-    ("replay", 2), ("olora", 2)]
+RUNS = [(method, zero) for method in ("seqft", "lora", "upcycle", "ewc", "ogd", "bilevel-cka", "care")
+        for zero in (2, 3)] + [("replay", 2), ("olora", 2), ("cluster-upcycle", 2)]
 RESUMED = ("upcycle", 3)
 ARGS = {"ewc": ["--method-arg", "lambda_ewc=1e6"]}  # the penalty's gradient dominates: a rank skipping it shows
 # 4 test examples per task in generation batches of 3 and 1: rank 0 decodes the first

@@ -206,3 +206,22 @@ def test_smoke_run_and_resume(trace_dir, tmp_path, monkeypatch):
     resumed = json.loads((run_dir / "run.json").read_text())
     assert resumed["matrix"] == record["matrix"] and resumed["params"] == record["params"]
     assert results.read_jsonl(run_dir / "metrics.jsonl") == rows
+
+
+
+def test_the_ema_follows_the_weights_the_optimiser_steps_not_the_working_copy():
+    """Under ZeRO in bf16 the working copy is a bf16 cast of the fp32 master: the EMA
+    reads the master (StepGradients.fragments' weights), here p + 1, and takes what
+    `assemble` makes whole. Mutation caught: the EMA read from `p` (the working copy)."""
+    from cl_bench.methods.cluster_upcycle.teacher import ema_step
+    from cl_bench.step_gradients import Fragment, StepGradients
+
+    class Masters(StepGradients):
+        def fragments(self, params, grad=True):
+            return [Fragment(p, 0, p.numel(), None, p.detach().reshape(-1) + 1) for p in params]
+
+    params = [torch.nn.Parameter(torch.randn(3, 4, generator=torch.Generator().manual_seed(i))) for i in range(2)]
+    emas = [torch.zeros(3, 4) for _ in params]
+    ema_step(list(zip(emas, params)), 0.9, Masters())
+    for value, p in zip(emas, params):
+        torch.testing.assert_close(value, 0.1 * (p.detach() + 1))
