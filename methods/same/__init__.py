@@ -62,8 +62,9 @@ class SAME(Method):
                    "curvature scaling and adaptive expert activation")
     Args = SAMEArgs
     zero_unsupported = dict.fromkeys((2, 3), (
-        "before_step rewrites router and adapter gradients in .grad (spectral projection, curvature scaling), "
-        "which ZeRO partitions, and its input covariances come from each rank's own micro-batches"))
+        "not yet made equal: its input covariances and expert usage are summed inside each rank's forwards "
+        "(a padding copy's too), and a frozen expert relies on torch's AdamW skipping a parameter without "
+        "gradient, where ZeRO's flat optimiser gives it zeros and moves it by its momentum"))
 
     def __init__(self, args: SAMEArgs, context):
         super().__init__(args, context)
