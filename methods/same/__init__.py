@@ -62,9 +62,9 @@ class SAME(Method):
                    "curvature scaling and adaptive expert activation")
     Args = SAMEArgs
     zero_unsupported = dict.fromkeys((2, 3), (
-        "not yet made equal: its input covariances and expert usage are summed inside each rank's forwards "
-        "(a padding copy's too), and a frozen expert relies on torch's AdamW skipping a parameter without "
-        "gradient, where ZeRO's flat optimiser gives it zeros and moves it by its momentum"))
+        "a frozen expert gets no gradient, so torch's AdamW leaves it and its own step count alone, but ZeRO's "
+        "optimiser keeps one step count per flat group and moves every member by its momentum (its covariances "
+        "and usage, summed in each rank's forwards, are not all-reduced yet either)"))
 
     def __init__(self, args: SAMEArgs, context):
         super().__init__(args, context)
