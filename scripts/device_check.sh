@@ -6,8 +6,10 @@
 #
 #   1 smoke        the smoke profile (tiny-llama, 3 stages) on the torch backend
 #   2 cpu-stage    one `cpu`-profile stage of SmolLM2 (Py150) in bf16, zero-shot row included
-#   3 zero2        the smoke profile through --backend deepspeed --zero 2, one rank
-#   4 zero3        the same with --zero 3
+#   3 zero2        the flagship (bilevel-cka) on the smoke profile through --backend deepspeed
+#                  --zero 2, one rank: its outer step and mask logits on CUDA (the paper's stage)
+#   4 zero3        CaRE on the smoke profile with --zero 3: the anchor pull on the fp32 masters
+#                  and the partitions (cl_bench/step_gradients.py) on CUDA
 #   5 train-step   cl-bench perf train-step: SmolLM2 optimiser steps, MFU against the peak
 #   6 generation   cl-bench perf gen-throughput: tokens/s of each generator installed (hf, vllm)
 #
@@ -137,8 +139,8 @@ SMOKE=(run --profile smoke --seed 1234 --no-progress --output-dir "$WORK/runs")
 step smoke 120 "${CLI[@]}" "${SMOKE[@]}" --run-id smoke
 step cpu-stage 150 "${CLI[@]}" run --profile cpu --order Py150 --seed 1234 --no-progress \
     --set train.precision=bf16 --set eval.precision=bf16 --output-dir "$WORK/runs" --run-id cpu-stage
-step zero2 120 "${CLI[@]}" "${SMOKE[@]}" --backend deepspeed --zero 2 --run-id zero2
-step zero3 120 "${CLI[@]}" "${SMOKE[@]}" --backend deepspeed --zero 3 --run-id zero3
+step zero2 120 "${CLI[@]}" "${SMOKE[@]}" --method bilevel-cka --backend deepspeed --zero 2 --run-id zero2
+step zero3 120 "${CLI[@]}" "${SMOKE[@]}" --method care --backend deepspeed --zero 3 --run-id zero3
 step train-step 90 "${CLI[@]}" perf train-step --model smollm2-135m --task Py150 --n 128 \
     --output results/perf/gpu-train-step.json
 step generation 150 "${CLI[@]}" perf gen-throughput --model smollm2-135m --task 20Minuten --n 64 \
