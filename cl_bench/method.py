@@ -131,12 +131,12 @@ class Method:
     # for it is refused before anything loads). Outside a training phase the model is
     # an ordinary module on every rank, so setup, before/after_task, eval and state
     # hooks may do anything. Inside one, a method runs when its loss/replay_loss
-    # compute losses through self.model, its before_step changes gradients only
-    # through self.ctx.grads, its after_step leaves weights and the optimiser alone, and
-    # it keeps no state built from the micro-batches its loss sees (step_batches gives
-    # every rank the whole step): ZeRO partitions gradients (2) and weights (3), keeps
-    # fp32 master copies of the weights inside its optimiser, and each rank sees
-    # different micro-batches.
+    # compute losses through self.model, its before_step/after_step change gradients and
+    # weights only through self.ctx.grads (cl_bench/step_gradients.py), and it keeps no
+    # state built from the micro-batches its loss sees alone (step_batches gives every
+    # rank the whole step; ctx.padding marks a padding copy): ZeRO partitions gradients
+    # (2) and weights (3), keeps fp32 master copies of the weights inside its optimiser,
+    # and each rank sees different micro-batches.
     zero_unsupported: ClassVar[dict[int, str]] = {}
     # Whether its replay_loss keeps state every rank must hold (an outer step on its own
     # parameters, records, caches): the deepspeed backend then runs each step's replay
@@ -257,7 +257,8 @@ class Method:
         part of each parameter; collectives there are taken by every rank."""
 
     def after_step(self, step: int) -> None:
-        """Called after each optimiser step."""
+        """Called after each optimiser step, on every rank (weights changed through
+        `self.ctx.grads.set_weights`)."""
 
     def after_task(self, stage: Stage) -> None:
         """Called after a stage trains (Fisher, finalise masks, ...)."""

@@ -1,18 +1,18 @@
 """The DeepSpeed backend: the same runs on ZeRO-2/3 over N ranks (data parallel).
 
-Every rank runs the whole sequencer on the same data. Per optimiser step the
-step's micro-batches (train.batch_size examples in all, whatever the number of
-ranks) and its replay micro-batch are dealt out round-robin; a rank with fewer
-runs a weight-0 copy of one so every rank makes the same number of backward
-passes (its loss hook runs: a method keeps what it needs of the step's data from
-Method.step_batches, which every rank gets whole). A method whose replay_loss
-keeps state (Method.replay_on_every_rank) gets the replay micro-batch on every
-rank, at weight 1/N. Each micro-batch loss is weighted by its share of the step's answer
-tokens times the number of ranks (the engine averages over ranks), so the step's
-gradient is the torch backend's, and dropout draws from a generator seeded by
-(seed, stage, epoch, step, micro-batch): a run's numbers do not depend on how many
-ranks ran it, up to the order of floating-point sums. Logged parts are summed
-over ranks. Clipping (train.grad_clip) is the engine's.
+Every rank runs the whole sequencer on the same data. Per optimiser step the step's
+micro-batches (train.batch_size examples in all, whatever the number of ranks) and its
+replay micro-batch are dealt out round-robin; a rank with fewer runs a weight-0 copy of
+one so every rank makes the same number of backward passes (its loss hook runs, with
+ctx.padding set: a method keeps what it needs of the step's data from
+Method.step_batches, which every rank gets whole). A method whose replay_loss keeps
+state (Method.replay_on_every_rank) gets the replay micro-batch on every rank, at weight
+1/N. Each micro-batch loss is weighted by its share of the step's answer tokens times
+the number of ranks (the engine averages over ranks), so the step's gradient is the
+torch backend's, and dropout draws from a generator seeded by (seed, stage, epoch, step,
+micro-batch): a run's numbers do not depend on how many ranks ran it, up to the order of
+floating-point sums. Logged parts are summed over ranks. Clipping (train.grad_clip) is
+the engine's.
 
 The engine lives for one training phase (zero_engine.ZeroPhase): between phases
 the model is an ordinary module with full weights on every rank, so hooks,

@@ -20,12 +20,12 @@ class TorchBackend(Backend):
         holds the tokenised rows of epoch e. Micro-batch losses are weighted by their
         share of the step's answer tokens, so a step's gradient does not depend on how
         it is split. Each micro-batch's forward draws from its own seeded generator
-        (loop.seeded), as on the deepspeed backend. With `replay_rows`, each step adds one replay micro-batch through
-        `method.replay_loss` (the interleave policy). Forward passes run under the
-        training precision's autocast (bf16: fp32 weights, gradients and optimiser
-        state). Steps before `start_step` were taken before an in-stage checkpoint:
-        they are passed over (their replay draws counted, nothing computed). Returns
-        the number of replay examples used."""
+        (loop.seeded), as on the deepspeed backend. With `replay_rows`, each step adds
+        one replay micro-batch through `method.replay_loss` (the interleave policy).
+        Forward passes run under the training precision's autocast (bf16: fp32 weights,
+        gradients and optimiser state). Steps before `start_step` were taken before an
+        in-stage checkpoint: they are passed over (their replay draws counted, nothing
+        computed). Returns the number of replay examples used."""
         clip = self.config.train.grad_clip
         method.model.train()
         params = [p for g in optimizer.param_groups for p in g["params"]]
