@@ -40,14 +40,17 @@ test-fast: install
 site: install
 	$(VENV)/bin/cl-bench site --runs results --out site --no-browser
 
-# Every table of the README's results, from the committed run records (each command is also
-# written beside its table). The flagship's table needs one finished run under results/long.
-CPU_RUNS := --runs results --exclude 'cpu-v1/*' --exclude 'calibration/*' --exclude 'sweeps/*' --exclude 'tuning/*' \
+# Every table of the README's results and of docs/results.md, from the committed run records (each
+# command is also written beside its table). A bare `cl-bench leaderboard` is the headline leaderboard,
+# the folder and exclusions results/headline.yaml names: the README's table, and the runs of the
+# winners and forms views. The MoE sources table reads the same runs and also results/long's; the
+# flagship's table needs one finished run under results/long.
+HEADLINE_AND_LONG := --runs results --exclude 'cpu-v1/*' --exclude 'calibration/*' --exclude 'sweeps/*' --exclude 'tuning/*' \
             --exclude 'tuned/*'
 readme: install
-	$(VENV)/bin/cl-bench leaderboard $(CPU_RUNS) --exclude 'long/*' --update-readme README.md > /dev/null
-	$(VENV)/bin/cl-bench leaderboard $(CPU_RUNS) --exclude 'long/*' --view winners --update-readme README.md --section winners > /dev/null
-	$(VENV)/bin/cl-bench leaderboard $(CPU_RUNS) --exclude 'long/*' --view forms --update-readme README.md --section forms > /dev/null
-	$(VENV)/bin/cl-bench leaderboard $(CPU_RUNS) --view sources --update-readme README.md --section sources > /dev/null
-	$(VENV)/bin/cl-bench claims scripts/claims/flagship.yaml --update-readme README.md > /dev/null
-	$(VENV)/bin/cl-bench leaderboard --runs results/long --update-readme README.md --section flagship > /dev/null
+	$(VENV)/bin/cl-bench leaderboard --update-readme README.md > /dev/null
+	$(VENV)/bin/cl-bench leaderboard --view winners --update-readme docs/results.md --section winners > /dev/null
+	$(VENV)/bin/cl-bench leaderboard --view forms --update-readme docs/results.md --section forms > /dev/null
+	$(VENV)/bin/cl-bench leaderboard $(HEADLINE_AND_LONG) --view sources --update-readme docs/results.md --section sources > /dev/null
+	$(VENV)/bin/cl-bench claims scripts/claims/flagship.yaml --update-readme docs/results.md > /dev/null
+	$(VENV)/bin/cl-bench leaderboard --runs results/long --update-readme docs/results.md --section flagship-long > /dev/null

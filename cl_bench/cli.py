@@ -179,13 +179,15 @@ def _support(cls) -> str:
 def cmd_leaderboard(args) -> int:
     from cl_bench.report import leaderboard, published
     from cl_bench.report.figures import sources
+    from cl_bench.report.leaderboard import headline
 
     build, render = {"scores": (leaderboard.build_table, leaderboard.format_table),
                      "forms": (leaderboard.build_forms_table, leaderboard.format_forms_table),
                      "winners": (leaderboard.build_winners_table, leaderboard.format_winners_table),
                      "sources": (sources.build_table, sources.format_table),
                      "published": (published.build_table, published.format_table)}[args.view]
-    table = build(leaderboard.load_runs(args.runs, args.exclude, args.include))
+    runs, exclude, include = headline.leaderboard_runs(args.runs, args.exclude, args.include)
+    table = build(leaderboard.load_runs(runs, exclude, include))
     print(render(table, args.format), end="")
     if args.update_readme:
         leaderboard.update_readme(args.update_readme, render(table, "md"),

@@ -132,12 +132,16 @@ def _add_run_filters(p) -> None:
 
 
 def _add_leaderboard(sub) -> None:
-    p = sub.add_parser("leaderboard", help="tables from run records")
-    p.add_argument("--runs", type=Path, default=Path("results"), help="folder of run folders")
+    p = sub.add_parser("leaderboard", help="tables from run records",
+                       description="Without --runs: the headline leaderboard, the folder and exclusions that "
+                                   "results/headline.yaml names (the README's table; results/ whole where there "
+                                   "is no such file). --runs DIR reads any folder of run folders instead.")
+    p.add_argument("--runs", type=Path, default=None,
+                   help="folder of run folders (default: the headline leaderboard, results/headline.yaml)")
     p.add_argument("--format", choices=["md", "csv", "latex"], default="md")
     p.add_argument("--view", choices=["scores", "winners", "forms", "sources", "published"], default="scores",
                    help="scores: the leaderboard (default); winners: the best row on each score with the rows "
-                        "not distinguishable from it (on BWT only rows whose Gain is above 0 at 95%), the cheapest on "
+                        "not distinguishable from it (on BWT only rows whose Gain is above 0 at 95%%), the cheapest on "
                         "each cost; forms: each row's BWT split "
                         "into answer form and content; sources: per MoE row, whether its forgetting tracks routing drift or "
                         "representation change (cl_bench/report/figures/sources.py); published: per run, TRACE's OP, "
