@@ -39,6 +39,9 @@ class Recorder:
         self.calls.append(("replay_loss", step))
         return self.loss(micro, step)[0], {"nll": 5.0}
 
+    def step_batches(self, step, micro_batches, replay):
+        self.calls.append(("step_batches", step, len(micro_batches), replay is not None))
+
     def before_step(self, step):
         self.calls.append(("before_step", step))
 
@@ -56,10 +59,10 @@ def test_job_log_sums_weighted_parts_prefixes_replay_and_skips_padding():
 
 
 def test_run_phase_calls_hooks_in_order_and_passes_over_taken_steps():
-    """From step 2 on: each step's micro-batch losses (token-weighted to 1), then its
-    replay micro-batch (the draw of its step key), then before_step, the optimiser
-    update, after_step and on_step with the step's parts; steps 0-1 compute nothing
-    but their replay draws count."""
+    """From step 2 on: step_batches with all the step's micro-batches and its replay one,
+    each step's micro-batch losses (token-weighted to 1), then its replay micro-batch
+    (the draw of its step key), then before_step, the optimiser update, after_step and
+    on_step with the step's parts; steps 0-1 compute nothing but their replay draws count."""
     method, seen = Recorder(), []
 
     def backward(jobs, step, key):
@@ -81,7 +84,8 @@ def test_run_phase_calls_hooks_in_order_and_passes_over_taken_steps():
     assert [s for s, *_ in seen] == [2, 3, 4] and [s for s, _ in logged] == [2, 3, 4]
     expected = []
     for step, n in ((2, 1), (3, 2), (4, 1)):
-        expected += [("loss", step)] * n + [("replay_loss", step), ("loss", step), ("before_step", step),
+        expected += [("step_batches", step, n, True)] + [("loss", step)] * n + [
+            ("replay_loss", step), ("loss", step), ("before_step", step),
                                             ("update", {"nll": 1.0, "replay_nll": 5.0}), ("after_step", step)]
     assert method.calls == expected
     for step, key, jobs, replay_micro in seen:
@@ -109,7 +113,8 @@ def test_torch_backend_runs_the_loop_with_its_optimiser():
     logged = []
     assert backend.train_stage(method, optimizer, STAGE, [rows], tok.pad_token_id,
                                lambda s, p: logged.append((s, p))) == 0
-    assert method.calls == [("loss", 0), ("loss", 0), ("before_step", 0), ("after_step", 0),
-                            ("loss", 1), ("before_step", 1), ("after_step", 1)]
+    assert method.calls == [("step_batches", 0, 2, False), ("loss", 0), ("loss", 0), ("before_step", 0),
+                            ("after_step", 0), ("step_batches", 1, 1, False), ("loss", 1), ("before_step", 1),
+                            ("after_step", 1)]
     assert [s for s, _ in logged] == [0, 1] and all(set(p) == {"nll", "grad_norm"} for _, p in logged)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
