@@ -31,10 +31,16 @@ every rank). On the torch backend a fragment is the whole parameter and its
 `.grad` (created as zeros where it is None); on the deepspeed backend it is the
 slice that ZeRO's partition puts on this rank (backends/deepspeed_backend.py,
 ZeroGradients): a rank may hold no part of a small parameter.
+
+An optimiser that needs each parameter whole (a per-matrix rule) steps, under ZeRO,
+flat fp32 partitions that span many parameters; a ZeroLayout says which part of
+which parameter each holds. The engine's phase (backends/zero_engine.py) gives it to
+an optimiser that has `bind_zero_layout(layout)`, and None when the phase ends.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -91,3 +97,28 @@ class StepGradients:
 
     def all_gather(self, values: list) -> list:
         return list(values)
+
+@dataclass
+class Segment:
+    """One parameter's part of a flat partition: values [start, start + numel) of the
+    flattened parameter sit at [offset, offset + numel) of the flat tensor (numel 0:
+    this rank holds none of it). `shape`: the whole parameter's; `ranks`: how many
+    ranks hold a part of it (1: one rank holds it whole, this one or another)."""
+
+    param: nn.Parameter
+    shape: torch.Size
+    offset: int
+    start: int
+    numel: int
+    ranks: int = 1
+
+
+@dataclass
+class ZeroLayout:
+    """What the flat partitions an optimiser steps under ZeRO hold. `segments[flat]`:
+    every parameter of that partition, in the same order on every rank (so collectives
+    over them match), with this rank's offsets; `all_reduce(t)` sums t over the ranks
+    in place."""
+
+    segments: dict[torch.Tensor, list[Segment]]
+    all_reduce: Callable[[torch.Tensor], Any]

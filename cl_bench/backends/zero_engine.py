@@ -15,8 +15,11 @@ engine and strips what DeepSpeed added to the modules and parameters.
 
 DeepSpeed internals used (tested with 0.19.8): the flat fp32 partitions of its
 ZeRO optimisers and `_lazy_init_hp_params_optimizer_state` (ZeRO-2), to seed the
-optimiser state; everything else goes through deepspeed.utils (safe_get/set_full_*,
-set_z3_leaf_module) and deepspeed.zero.GatheredParameters.
+optimiser state; the parameters of each partition (bit16_groups and `_hp_mapping`,
+ZeRO-2; fp16_groups and `ds_tensor`, ZeRO-3) for an optimiser that asks for the
+layout (`bind_zero_layout`, cl_bench/step_gradients.py's ZeroLayout); everything
+else goes through deepspeed.utils (safe_get/set_full_*, set_z3_leaf_module) and
+deepspeed.zero.GatheredParameters.
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from cl_bench.step_gradients import Segment, ZeroLayout
 
 
 class LossForward(nn.Module):
@@ -129,6 +134,11 @@ class ZeroPhase:
         groups = [{**{k: v for k, v in optimizer.param_groups[s.source].items() if k != "params"},
                    "params": s.params} for s in self.slots]
         self.ds_optimizer = make_optimizer(groups)
+        # An optimiser that needs whole parameters learns what its flat partitions hold
+        # (layout()); written for them, it is one DeepSpeed would otherwise refuse as untested.
+        self._bind = getattr(self.ds_optimizer, "bind_zero_layout", None)
+        if self._bind is not None:
+            ds_config = {**ds_config, "zero_allow_untested_optimizer": True}
         anchors = self.trainable if zero == 2 else []
         # ZeRO-3 installs its own F.linear for the whole process ("persists unless
         # manually reset"); close() puts this one back for evaluation and later runs
@@ -142,6 +152,8 @@ class ZeroPhase:
             self._seed_state()
         for p in self.trainable:  # held by the engine now, sharded; close() brings them back
             state.pop(p, None)
+        if self._bind is not None:
+            self._bind(self.layout())
 
     # ---- optimiser state in -------------------------------------------------------
     def _slots(self) -> list[_Slot]:
@@ -167,6 +179,39 @@ class ZeroPhase:
         if self.zero == 3:
             return [(zopt.sub_group_to_group_id[i], flat) for i, flat in enumerate(zopt.fp32_partitioned_groups_flat)]
         return list(enumerate(zopt.single_partition_of_fp32_groups))
+
+    def layout(self) -> ZeroLayout:
+        """Each flat partition's segments (cl_bench/step_gradients.py), every parameter of
+        its DeepSpeed group in the group's order on every rank.
+          ZeRO-2: the flat group is the group's parameters end to end (with alignment
+            padding), cut into equal partitions; a parameter's `_hp_mapping` gives its
+            slice (lp_fragment_address) and where it sits in this rank's partition
+            (hp_fragment_address), and is None where the partition holds none of it.
+          ZeRO-3: a sub-group's flat partition is its parameters' partitions end to end,
+            each `ds_tensor.ds_numel` long (padded): values rank x that size on."""
+        zopt, rank = self.engine.optimizer, torch.distributed.get_rank()
+        segments: dict[torch.Tensor, list[Segment]] = {}
+        for i, (_, flat) in enumerate(self._flat_partitions()):
+            segments[flat] = out = []
+            if self.zero == 3:
+                offset = 0
+                for p in zopt.fp16_groups[i]:
+                    size = p.ds_tensor.ds_numel
+                    start = rank * size
+                    out.append(Segment(p, self._shape_of[p], offset, start, max(0, min(size, p.ds_numel - start))))
+                    offset += size
+                continue
+            for p in zopt.bit16_groups[i]:
+                m = p._hp_mapping
+                out.append(Segment(p, self._shape_of[p], 0, 0, 0) if m is None else
+                           Segment(p, self._shape_of[p], m.hp_fragment_address.start, m.lp_fragment_address.start,
+                                   m.lp_fragment_address.numel))
+        for flat, out in segments.items():  # how many ranks hold part of each: one all-reduce a partition
+            held = torch.tensor([float(s.numel > 0) for s in out], device=flat.device)
+            torch.distributed.all_reduce(held)
+            for s, n in zip(out, held.tolist()):
+                s.ranks = int(n)
+        return ZeroLayout(segments, torch.distributed.all_reduce)
 
     def _seed_state(self) -> None:
         """Give the engine's (lazily initialised) optimiser state the carried values:
@@ -210,6 +255,8 @@ class ZeroPhase:
                 if p not in values:
                     with self.ds.zero.GatheredParameters([p]):
                         values[p] = p.data.detach().clone()
+        if self._bind is not None:
+            self._bind(None)  # between phases the optimiser is an ordinary one again
         self.engine.destroy()
         self.restore_linear()
         # The engine's __del__ calls destroy() again when it is collected, which would

@@ -1,11 +1,11 @@
 """The deepspeed backend on 2 ranks (CPU, gloo): ZeRO-2 and ZeRO-3 runs of seqft,
-lora, upcycle, ewc, ogd, bilevel-cka and care (and replay, olora and cluster-upcycle on
-ZeRO-2) on the smoke profile agree with the torch backend, resume works, and only
+lora, upcycle, ewc, ogd, bilevel-cka, care and mofo (and replay, olora and cluster-upcycle
+on ZeRO-2) on the smoke profile agree with the torch backend, resume works, and only
 rank 0 writes, logs and shows progress; care on 3 ranks, one running a padding copy.
 
-One launch (torchrun: the "launched from outside" path) runs the seven runs and an
-interrupted-and-resumed one inside the same two processes, which saves five
-launches; a second test starts its ranks itself with `cl-bench run --nproc 2`.
+One launch (torchrun: the "launched from outside" path) runs every run of RUNS and an
+interrupted-and-resumed one inside the same two processes, which saves a launch per
+run; a second test starts its ranks itself with `cl-bench run --nproc 2`.
 
 Tolerances: logged losses within rel 1e-5 of the torch backend's run (measured: at
 most 6e-7 relative; the ranks add their gradients in another order), the R matrix and
@@ -19,6 +19,15 @@ gradients (cl_bench/step_gradients.py) on their rank's fragments: ewc at λ = 1e
 (grad_norm ~150 against ~2); skipping it on rank 1 gives grad_norm 111.5 against
 148.5, and ogd without the all-reduce of its coefficients gives 0.6299 against
 0.6350 (both checked by hand, ZeRO-2).
+
+mofo's optimiser picks the top-α entries of each matrix from its |momentum|
+assembled over the ranks (methods/mofo.py): at α = 0.05 the filter shows (α = 1,
+Adam, logs grad_norm 5.486 for 6.461 at stage 1's second step), and its final
+weights are compared too (measured: within 1.2e-7). Checked by hand: the top-k of
+each rank's slice of a matrix instead fails at ZeRO-3 (grad_norm 6.569 for 6.461)
+and at ZeRO-2 on the weights only (ZeRO-2 cuts one matrix here, 32 of its 4096
+values on rank 0: losses within 5.6e-6, 12 weights off by up to 2.6e-3); the
+flat partition stepped as one 1-D tensor (plain Adam) fails at both (5.486).
 """
 from __future__ import annotations
 
@@ -39,10 +48,11 @@ from helpers import (assert_same_run, deepspeed_args, interrupted_ds_run, make_t
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deepspeed-ranks")]
 
 # replay: 2 micro-batches and a replay one per step, so one rank also runs a padding copy
-RUNS = [(method, zero) for method in ("seqft", "lora", "upcycle", "ewc", "ogd", "bilevel-cka", "care")
+RUNS = [(method, zero) for method in ("seqft", "lora", "upcycle", "ewc", "ogd", "bilevel-cka", "care", "mofo")
         for zero in (2, 3)] + [("replay", 2), ("olora", 2), ("cluster-upcycle", 2)]
 RESUMED = ("upcycle", 3)
-ARGS = {"ewc": ["--method-arg", "lambda_ewc=1e6"]}  # the penalty's gradient dominates: a rank skipping it shows
+ARGS = {"ewc": ["--method-arg", "lambda_ewc=1e6"],  # the penalty's gradient dominates: a rank skipping it shows
+        "mofo": ["--method-arg", "alpha=0.05", "--keep-checkpoint"]}  # the filter shows; weights compared too
 # 4 test examples per task in generation batches of 3 and 1: rank 0 decodes the first
 # batch, rank 1 the second, and both get all predictions back.
 EVAL = ["--set", "eval.batch_size=3"]
@@ -71,7 +81,8 @@ def _ranks_main(out: Path) -> int:
 
 
 def _launch_env() -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1]),  # tests/: helpers
+    here = Path(__file__).parents  # tests/ (helpers) and this checkout's cl_bench, not the installed one's
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(map(str, (here[1], here[2]))),
            "CL_BENCH_DIST_TIMEOUT_MIN": "3"}  # a hung collective fails the test instead of the CI run
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)  # this process is not a rank
@@ -101,6 +112,10 @@ def test_two_ranks_agree_with_one(tmp_path):
             references[method] = only_run(one / method)
         two = only_run(out / f"{method}-z{zero}")
         assert_same_run(references[method], two)
+        if "--keep-checkpoint" in ARGS.get(method, []):  # and the final weights
+            weights = [checkpoint.load_checkpoint(d)["model"] for d in (references[method], two)]
+            for name, value in weights[0].items():
+                assert torch.allclose(weights[1][name], value, rtol=0, atol=1e-5), (method, zero, name)
         record = json.loads((two / "run.json").read_text())
         assert record["backend"]["world_size"] == 2 and record["backend"]["zero"] == zero
     resumed = json.loads((only_run(out / "resumed") / "run.json").read_text())

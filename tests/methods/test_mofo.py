@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -92,6 +93,75 @@ def test_mofo_state_round_trips_through_state_dict(tmp_path):
     for a, b in zip(params, twin):
         assert torch.equal(a, b)
         assert restored.state[b]["step"] == 3
+
+
+class ThreadRanks:
+    """`n` ranks as threads of this process: all_reduce(t) of rank r sums every
+    rank's t (in rank order) into its own, as torch.distributed.all_reduce does; a
+    rank calling it out of step with the others breaks the barrier (no hang)."""
+
+    def __init__(self, n: int):
+        self.barrier, self.parts = threading.Barrier(n, timeout=30), [None] * n
+
+    def all_reduce_of(self, rank: int):
+        def all_reduce(t: torch.Tensor) -> None:
+            self.parts[rank] = t.clone()
+            self.barrier.wait()
+            total = sum(self.parts[1:], self.parts[0].clone())
+            self.barrier.wait()
+            t.copy_(total)
+        return all_reduce
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_mofo_on_zero_partitions_steps_as_on_whole_parameters(ranks):
+    """Catches: the top-k taken per rank's slice of a matrix (each rank's fragment of
+    (7, 13) differs), or a flat partition stepped as one 1-D tensor (plain Adam).
+
+    ZeRO-2's layout by hand: the parameters end to end plus padding, cut into equal
+    flat partitions ((7, 13) is cut; (3, 5, 4) is held whole by rank 1 of 2, cut over
+    ranks 1 and 2 of 3), each stepped by its own optimiser (a rank per thread,
+    ThreadRanks) with its ZeroLayout; after every step the partitions put together
+    equal the whole-parameter optimiser's weights and moments bit for bit."""
+    from cl_bench.step_gradients import Segment, ZeroLayout
+
+    params = fresh_params()
+    whole = mofo_optimizer(params, lr=1e-2, alpha=0.15)
+    total = sum(p.numel() for p in params)
+    size = -(-(total + 5) // ranks)  # 5 values of padding, at least
+    cat = lambda tensors: torch.cat([t.detach().flatten() for t in tensors] + [torch.zeros(size * ranks - total)])
+    starts = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
+
+    def segment(p, at, r):
+        bounds = [(max(at, q * size), min(at + p.numel(), (q + 1) * size)) for q in range(ranks)]
+        (lo, hi), held = bounds[r], sum(lo < hi for lo, hi in bounds)
+        return Segment(p, p.shape, *((lo - r * size, lo - at, hi - lo) if lo < hi else (0, 0, 0)), held)
+
+    flats = [torch.nn.Parameter(cat(params)[r * size:(r + 1) * size].clone()) for r in range(ranks)]
+    shared = ThreadRanks(ranks)
+    parts = [mofo_optimizer([flat], lr=1e-2, alpha=0.15) for flat in flats]
+    for r, (flat, opt) in enumerate(zip(flats, parts)):
+        opt.bind_zero_layout(ZeroLayout({flat: [segment(p, at, r) for p, at in zip(params, starts)]},
+                                        shared.all_reduce_of(r)))
+    held = [s.ranks for s in parts[0].zero_layout.segments[flats[0]]]
+    assert held == ([2, 1, 1] if ranks == 2 else [2, 2, 1])  # rank 0 holds none of (3, 5, 4)
+    done = []
+    for step in range(3):
+        set_grads(params, seed=step)
+        grads = cat([p.grad for p in params])
+        for r, flat in enumerate(flats):
+            flat.grad = grads[r * size:(r + 1) * size].clone()
+        threads = [threading.Thread(target=lambda o=opt: done.append(o.step())) for opt in parts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(done) == ranks * (step + 1)  # every rank finished its step
+        whole.step()
+        assert torch.equal(torch.cat([f.detach() for f in flats]), cat(params))
+        moments = torch.cat([opt.state[f]["exp_avg"] for opt, f in zip(parts, flats)])
+        assert torch.equal(moments, cat([whole.state[p]["exp_avg"] for p in params]))
+    assert not torch.equal(params[0], fresh_params()[0])
 
 
 @pytest.mark.slow
