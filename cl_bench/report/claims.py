@@ -22,8 +22,11 @@ pools them: replicates over seeds and items, paired over the same test items):
   base, the last stage's). Counts have no item noise, only seeds: holds when
   every run adds fewer than every run against, does not hold when every run adds
   at least as many as every run against, not distinguishable otherwise (the
-  seeds overlap). `expect` (a share, e.g. 0.6) is
-  printed beside the measured reduction 1 - mean(runs) / mean(against).
+  seeds overlap). `expect` (a share, e.g. 0.6: "about 60% fewer") is the claim's
+  size, judged apart from its direction: the size holds when every run's reduction
+  1 - run / mean(against) reaches it, does not hold when none does, else not
+  distinguishable; the measurement says both ("fewer, but 7% against the claimed
+  60%: the size does not hold"). The verdict column is the direction's.
 - ablation: `runs` the ablation, `against` the full method. holds (the removed
   part helps) when the ablation is worse at 95% in Last Acc or BWT and better in
   neither; does not hold when it is better in one and worse in neither; else
@@ -196,9 +199,16 @@ def _fewer_added(runs, against, claim) -> tuple[str, str, dict]:
             f"{100 * reduction:.0f}% fewer")
     if len(mine) > 1:
         text += f" (runs {', '.join(humanise(m) for m in mine)})"
+    details = {"added": mine, "against": theirs, "reduction": float(reduction)}
     if claim.get("expect") is not None:
-        text += f"; claimed {100 * float(claim['expect']):.0f}%"
-    return verdict, text, {"added": mine, "against": theirs, "reduction": float(reduction)}
+        expect = float(claim["expect"])
+        each = [1 - m / np.mean(theirs) for m in mine]
+        size = HOLDS if min(each) >= expect else FAILS if max(each) < expect else UNCLEAR
+        direction = {HOLDS: "fewer", FAILS: "not fewer", UNCLEAR: "fewer or not"}[verdict]
+        text += (f"; {direction}, {'and' if size == HOLDS else 'but'} {100 * reduction:.0f}% against the claimed "
+                 f"{100 * expect:.0f}%: the size {'is ' if size == UNCLEAR else ''}{size}")
+        details["size"] = size
+    return verdict, text, details
 
 
 def _ablation(runs, against, claim) -> tuple[str, str, dict]:

@@ -56,18 +56,25 @@ def test_less_forgetting_holds_fails_or_cannot_be_told(tmp_path):
     assert text.startswith("BWT +75.0 [") and "Last +37.5 [" in text
 
 
-def test_fewer_added_compares_every_seed_and_shows_the_claimed_share(tmp_path):
-    """Mutation caught: the reduction computed against the wrong side, seeds that
-    disagree counted as a verdict."""
+def test_fewer_added_compares_every_seed_and_judges_the_claimed_share_apart(tmp_path):
+    """The direction is the verdict; the claimed share is judged per seed beside it.
+    Mutations caught: the reduction computed against the wrong side, seeds that
+    disagree counted as a verdict, the size judged on the mean reduction (60% here:
+    it would hold, though one seed reduces 40%)."""
     small = [run(tmp_path, f"s{i}", KEEPS, added=a, seed=i) for i, a in enumerate((100, 300), 1)]
     big = [run(tmp_path, f"b{i}", KEEPS, added=500, seed=i) for i in (1, 2)]
     mixed = run(tmp_path, "m", KEEPS, added=600, seed=3)
     out = verdicts(tmp_path, {"test": "fewer-added", "runs": small, "against": big, "expect": 0.6},
                    {"test": "fewer-added", "runs": big, "against": small},
-                   {"test": "fewer-added", "runs": [small[0], mixed], "against": big})
-    assert out[0][0] == "holds" and "60% fewer" in out[0][1] and out[0][1].endswith("claimed 60%")
+                   {"test": "fewer-added", "runs": [small[0], mixed], "against": big},
+                   {"test": "fewer-added", "runs": small, "against": big, "expect": 0.3},
+                   {"test": "fewer-added", "runs": small, "against": big, "expect": 0.9})
+    assert out[0][0] == "holds" and "60% fewer" in out[0][1]  # seeds reduce 80% and 40%
+    assert out[0][1].endswith("fewer, but 60% against the claimed 60%: the size is not distinguishable")
     assert out[1][0] == "does not hold" and "-150% fewer" in out[1][1]
     assert out[2][0] == "not distinguishable"
+    assert out[3][1].endswith("fewer, and 60% against the claimed 30%: the size holds")
+    assert out[4][0] == "holds" and out[4][1].endswith("fewer, but 60% against the claimed 90%: the size does not hold")
 
 
 def test_an_ablation_holds_when_the_full_method_is_better_and_never_worse(tmp_path):
