@@ -4,6 +4,9 @@ output going to a log file), a log line at most every EVERY_S seconds:
 
     stage 2/3 [Py150] train: 45/96 step (47%), 31.2 s/step, ~26 min left; loss=1.234
 
+A terminal that reports a width of 0 columns (some CI consoles and emulators) cannot
+draw a bar: there the same lines are logged, at most every NARROW_S seconds.
+
 The rate is over the steps this process has taken (a resumed stage's earlier steps
 are counted as done, not as fast). The last update logs nothing: the stage's own
 "done in" line follows. Off the main rank nothing is shown or logged.
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any, Callable
@@ -27,6 +32,7 @@ from tqdm import tqdm
 log = logging.getLogger(__name__)
 
 EVERY_S = 180.0
+NARROW_S = 10.0  # a terminal without width: plain lines, soon enough to see the run move
 TICK_S = 0.5
 
 
@@ -76,10 +82,21 @@ def _duration(seconds: float) -> str:
 
 
 def bar(total: int, desc: str, unit: str, show: bool, main: bool, initial: int = 0, leave: bool = True):
-    """A tqdm bar (`show`), log lines (bars off, on the main rank) or nothing."""
+    """A tqdm bar (`show`), log lines (bars off, on the main rank; a terminal without
+    width) or nothing."""
+    if show and main and not _has_width():
+        return LoggedProgress(total, desc, unit, initial, every_s=NARROW_S)
     if show or not main:
         return tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=not show, leave=leave)
     return LoggedProgress(total, desc, unit, initial)
+
+
+def _has_width() -> bool:
+    """False where stderr (tqdm's stream) is a terminal that reports 0 columns."""
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns > 0
+    except (OSError, ValueError, AttributeError):  # not a terminal (a pipe, a file): tqdm's own way
+        return True
 
 
 @contextlib.contextmanager

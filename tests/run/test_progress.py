@@ -77,3 +77,30 @@ def test_decoding_shows_where_a_batch_stands_before_it_is_scored(monkeypatch):
     with torch.no_grad():
         model(input_ids=torch.tensor([[5, 6]]))
     assert len(shown) == 2 * (n + 4)
+
+
+def test_a_terminal_without_width_gets_plain_lines_soon(monkeypatch):
+    """A terminal reporting 0 columns cannot draw a bar (tqdm draws nothing there):
+    the bar is log lines every NARROW_S seconds instead. A terminal with width keeps
+    tqdm; stderr that is no terminal keeps tqdm's own behaviour. Mutation caught: the
+    width check removed (a tqdm bar in a 0-column terminal)."""
+    import os
+    from tqdm import tqdm
+
+    size = {"columns": 0}
+
+    def terminal_size(fd):
+        return os.terminal_size((size["columns"], 24))
+
+    monkeypatch.setattr(progress.os, "get_terminal_size", terminal_size)
+    narrow = progress.bar(10, "stage 1/3 [Py150] train", "step", show=True, main=True)
+    assert isinstance(narrow, progress.LoggedProgress) and narrow.every_s == progress.NARROW_S <= 10
+    size["columns"] = 80
+    assert isinstance(progress.bar(10, "d", "step", show=True, main=True), tqdm)
+
+    def no_terminal(fd):
+        raise OSError("not a terminal")
+
+    monkeypatch.setattr(progress.os, "get_terminal_size", no_terminal)
+    assert isinstance(progress.bar(10, "d", "step", show=True, main=True), tqdm)
+    assert isinstance(progress.bar(10, "d", "step", show=False, main=True), progress.LoggedProgress)  # bars off
