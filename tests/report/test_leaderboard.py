@@ -337,3 +337,23 @@ def test_added_parameters_and_expansion_are_means_over_seeds_with_their_std(tmp_
     cells = [c.strip() for c in next(l for l in lines if "bilevel-cka" in l).strip("|").split("|")]
     assert cells[-3:-1] == ["2.0K ± 1.0K", "40% ± 20"]
     assert "Added std" in format_table(df, "csv").splitlines()[0]
+
+
+def test_labels_name_the_arguments_that_tell_a_methods_rows_apart():
+    """A record written before an argument existed lacks it: the rows are told apart by
+    the arguments both have (mask_init), not by every argument the newer one added.
+    Only where nothing both have differs does a missing argument label them. Mutation
+    caught: labels built from every key of either row."""
+    import json
+
+    import pandas as pd
+
+    from cl_bench.report.leaderboard.table import method_labels
+
+    old = {"lr": 1e-4, "mask_init": "prior"}
+    new = {"lr": 1e-4, "mask_init": "guided", "kappa_flat": 4.0, "probe_batches": 20}
+    added = {"lr": 1e-4, "extra": 2}
+    df = pd.DataFrame({"Method": ["bilevel-cka", "bilevel-cka", "seqft", "seqft"],
+                       "Args": [json.dumps(a) for a in (old, new, {"lr": 1e-4}, added)]})
+    assert method_labels(df) == ["bilevel-cka (mask_init=prior)", "bilevel-cka (mask_init=guided)",
+                                 "seqft (extra=None)", "seqft (extra=2)"]

@@ -67,15 +67,22 @@ def _with_spread(text: str, std, fmt) -> str:
 
 def method_labels(df: pd.DataFrame) -> list[str]:
     """The method's name, followed by "(key=value, ...)" for the arguments that
-    differ between the rows of that method (none when it has one argument set)."""
+    differ between the rows of that method (none when it has one argument set). An
+    argument one row's record lacks (written before the argument existed) tells the
+    rows apart only where no argument both have does."""
     args = [json.loads(a) for a in df["Args"]]
     labels = []
     for method, own in zip(df["Method"], args):
         others = [a for m, a in zip(df["Method"], args) if m == method]
-        keys = sorted({k for a in others for k in set(a) | set(own) if a.get(k) != own.get(k)})
+        keys = sorted({k for a in others for k in (_differing(a, own, set(a) & set(own))
+                                                   or _differing(a, own, set(a) | set(own)))})
         shown = ", ".join(f"{k}={own.get(k)}" for k in keys)
         labels.append(f"{method} ({shown})" if shown else str(method))
     return labels
+
+
+def _differing(a: dict, b: dict, keys: set) -> set:
+    return {k for k in keys if a.get(k) != b.get(k)}
 
 
 def format_table(df: pd.DataFrame, fmt: str = "md") -> str:
