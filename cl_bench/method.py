@@ -256,6 +256,21 @@ class Method:
         through `self.ctx.grads` (cl_bench/step_gradients.py), which gives this rank's
         part of each parameter; collectives there are taken by every rank."""
 
+    def idle_units(self) -> list[list[nn.Parameter]]:
+        """Groups of trainable parameters that may take no part in some optimiser step,
+        each group idle or not as a whole (an expert that routing leaves out, a frozen
+        one): see idle_parameters. Asked once per training phase. Default: none."""
+        return []
+
+    def idle_parameters(self, step: int) -> list[nn.Parameter]:
+        """The trainable parameters no micro-batch of step `step` reached, the same on
+        every rank (on one process: those whose `.grad` is None after the step's
+        backward), each in a group of idle_units. The optimiser step leaves them alone on
+        every backend, as torch's AdamW leaves a parameter without a gradient: weight,
+        moments and step count stay (ZeRO would give them zeros and move them by their
+        momentum). Called after before_step. Default: none."""
+        return []
+
     def after_step(self, step: int) -> None:
         """Called after each optimiser step, on every rank (weights changed through
         `self.ctx.grads.set_weights`)."""

@@ -57,6 +57,11 @@ class Fragment:
     numel: int
     grad: torch.Tensor | None
     weight: torch.Tensor
+    shape: torch.Size | None = None  # the whole parameter's (ZeRO-3 leaves `param` empty); None: param.shape
+
+    def __post_init__(self):
+        if self.shape is None:
+            self.shape = self.param.shape
 
     @property
     def stop(self) -> int:

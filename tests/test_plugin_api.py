@@ -39,7 +39,8 @@ PLUGIN_API = {
 }
 # The hooks the harness calls on a method (docs/ARCHITECTURE.md, cl_bench/method.py).
 HOOKS = ["setup", "plan", "before_task", "phases", "before_phase", "make_optimizer", "optimizer_for_stage", "loss",
-         "replay_loss", "step_passes", "before_step", "after_step", "after_task", "state_dict", "load_state_dict",
+         "replay_loss", "step_passes", "step_batches", "before_step", "idle_units", "idle_parameters", "after_step",
+         "after_task", "state_dict", "load_state_dict",
          "param_report", "param_schedule", "parse_args", "args_for", "arg_table"]
 
 

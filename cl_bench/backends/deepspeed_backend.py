@@ -233,7 +233,7 @@ class DeepSpeedBackend(Backend):
         clip = self.config.train.grad_clip
         method.model.train()
         phase = ZeroPhase(self.ds, method.model, optimizer, method.make_optimizer, self.ds_config,
-                          self.config.deepspeed.zero, self.bf16)
+                          self.config.deepspeed.zero, self.bf16, method.idle_units())
         engine = phase.engine
         method.ctx.grads = ZeroGradients(self.ds, self.config.deepspeed.zero)
 
@@ -252,8 +252,9 @@ class DeepSpeedBackend(Backend):
                 job.log(parts, named)
             return self._sum_parts(parts)
 
-        def update(parts: dict[str, float]) -> None:
+        def update(parts: dict[str, float], idle: list[torch.nn.Parameter]) -> None:
             phase.sync_hyperparameters()
+            phase.skip(idle)
             engine.step()
             if clip > 0:
                 parts["grad_norm"] = float(engine.get_global_grad_norm())
@@ -338,7 +339,7 @@ class ZeroGradients(StepGradients):
             return None
         utils = self.ds.utils
         grad = utils.safe_get_local_grad(p).reshape(-1)[:numel].clone() if with_grad else None
-        return Fragment(p, start, numel, grad, utils.safe_get_local_fp32_param(p).reshape(-1)[:numel])
+        return Fragment(p, start, numel, grad, utils.safe_get_local_fp32_param(p).reshape(-1)[:numel], p.ds_shape)
 
     def write(self, fragments: list[Fragment]) -> None:
         if self.zero != 3:
@@ -364,17 +365,20 @@ class ZeroGradients(StepGradients):
 
     def assemble(self, params: list[torch.nn.Parameter], fragments: list[Fragment],
                  values: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """One all-reduce a parameter, in `params` order on every rank: a zero tensor of
-        its size with this rank's slice filled in."""
+        """One all-reduce for all of `params` (the same list on every rank): a zero
+        buffer with this rank's slice of each filled in (each value held by one rank, so
+        the sum is exact)."""
+        if not params:
+            return {}
         where = {id(f.param): f for f in fragments}
-        out = {}
+        sizes = [getattr(p, "ds_numel", p.numel()) for p in params]
+        flat = torch.zeros(sum(sizes), dtype=torch.float32, device=self.device_of(params[0]))
+        out = dict(zip(map(id, params), flat.split(sizes)))
         for p in params:
-            full = torch.zeros(getattr(p, "ds_numel", p.numel()), dtype=torch.float32, device=self.device_of(p))
             f = where.get(id(p))
             if f is not None:
-                full[f.start:f.stop] = values[id(p)]
-            torch.distributed.all_reduce(full)
-            out[id(p)] = full
+                out[id(p)][f.start:f.stop] = values[id(p)]
+        torch.distributed.all_reduce(flat)
         return out
 
     @staticmethod

@@ -8,7 +8,8 @@ rows in micro-batches of train.micro_batch_size):
            method.replay_loss
     method.step_batches(s, micro-batches, replay micro-batch)   (every rank, all of them)
     backward(jobs, s, step_key)  -> the step's logged parts     (the backend's)
-    method.before_step(s) -> update(parts) -> method.after_step(s) -> on_step(s, parts)
+    method.before_step(s) -> update(parts, method.idle_parameters(s)) -> method.after_step(s)
+    -> on_step(s, parts)
 
 Steps before `start_step` were taken before an in-stage checkpoint: they are passed
 over, their replay draws counted, nothing computed. The backend gives the two
@@ -53,7 +54,8 @@ class Job:
 
 
 Backward = Callable[[list[Job], int, str], dict[str, float]]  # (jobs, step, step_key) -> parts
-Update = Callable[[dict[str, float]], None]  # the optimiser step; may add "grad_norm" to parts
+# the optimiser step, leaving the idle parameters (Method.idle_parameters) alone; may add "grad_norm" to parts
+Update = Callable[[dict[str, float], list[torch.nn.Parameter]], None]
 
 
 def step_key(seed: int, stage: Stage, epoch: int, step: int) -> str:
@@ -99,7 +101,7 @@ def run_phase(method: Method, stage: Stage, epochs: list[list[dict]], pad_id: in
             method.step_batches(step, batch.micro_batches, jobs[-1].micro if replay_rows else None)
             parts = backward(jobs, step, key)
             method.before_step(step)
-            update(parts)
+            update(parts, method.idle_parameters(step))
             method.after_step(step)
             if on_step is not None:
                 on_step(step, parts)

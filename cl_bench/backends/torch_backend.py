@@ -41,7 +41,9 @@ class TorchBackend(Backend):
                 job.log(parts, named)
             return parts
 
-        def update(parts: dict[str, float]) -> None:
+        def update(parts: dict[str, float], idle: list[torch.nn.Parameter]) -> None:
+            for p in idle:  # AdamW skips a parameter without a gradient (before_step may have made one)
+                p.grad = None
             if clip > 0:
                 parts["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, clip))
             optimizer.step()

@@ -13,6 +13,14 @@ experts, branches and LoRA pairs get trained), carrying over the optimiser state
 them back (ZeRO-3: every weight is re-assembled on every rank), destroys the
 engine and strips what DeepSpeed added to the modules and parameters.
 
+A parameter no micro-batch of a step reached (Method.idle_parameters) gets zeros from
+ZeRO, where torch's AdamW would skip it: each group of Method.idle_units becomes a
+DeepSpeed parameter group of its own (its own flat partition and Adam step count), and
+a step pre-hook on the optimiser takes the gradient off the partitions of the groups
+idle in this step, so the optimiser skips them as torch's does (weight, moments and
+step count stay; DeepSpeed steps each group separately: ZeRO-2's and ZeRO-3's
+`_optimizer_step`).
+
 DeepSpeed internals used (tested with 0.19.8): the flat fp32 partitions of its
 ZeRO optimisers and `_lazy_init_hp_params_optimizer_state` (ZeRO-2), to seed the
 optimiser state; the parameters of each partition (bit16_groups and `_hp_mapping`,
@@ -53,6 +61,16 @@ class LossForward(nn.Module):
         zero = torch.stack([p.reshape(-1)[0].float() for p in self._anchors]).sum() * 0.0 if self._anchors else None
         loss, parts = loss_fn(batch, step)
         return (loss if zero is None else loss + zero.to(loss.dtype)), parts
+
+
+def _state_keys(make_optimizer, group: dict[str, Any]) -> list[str]:
+    """The tensors the optimiser keeps per parameter value (AdamW: exp_avg, exp_avg_sq),
+    from one step of a throwaway copy on a one-value parameter with a zero gradient."""
+    probe = nn.Parameter(torch.zeros(1))
+    probe.grad = torch.zeros(1)
+    optimizer = make_optimizer([{**{k: v for k, v in group.items() if k != "params"}, "params": [probe]}])
+    optimizer.step()
+    return sorted(k for k, v in optimizer.state[probe].items() if torch.is_tensor(v) and v.shape == probe.shape)
 
 
 def zero3_leaves(model: nn.Module) -> list[nn.Module]:
@@ -98,13 +116,14 @@ class _Slot:
     source: int  # index of the optimiser's param group
     params: list[nn.Parameter]
     scalars: dict[str, Any]  # e.g. {"step": tensor(12.)}; {} for fresh parameters
+    unit: int | None = None  # the Method.idle_units group it holds (alone), if any
 
 
 class ZeroPhase:
     """The engine of one training phase; see the module docstring."""
 
     def __init__(self, deepspeed, model: nn.Module, optimizer: torch.optim.Optimizer, make_optimizer,
-                 ds_config: dict[str, Any], zero: int, bf16: bool):
+                 ds_config: dict[str, Any], zero: int, bf16: bool, idle_units: list[list[nn.Parameter]] = ()):
         self.ds = deepspeed
         self.model = model
         self.optimizer = optimizer
@@ -118,11 +137,17 @@ class ZeroPhase:
         self._module_keys = {m: set(vars(m)) for m in model.modules()}
         self._param_keys = {p: set(vars(p)) for p in self._params}
 
+        self._unit_of = {p: u for u, unit in enumerate(idle_units) for p in unit}
         self.slots = self._slots()
         self.trainable = [p for s in self.slots for p in s.params]
+        self._idle: set[int] = set()  # ids of the param groups idle in this step (skip)
         state = optimizer.state
         self._tensor_keys = sorted({k for p in self.trainable for k, v in state.get(p, {}).items()
                                     if torch.is_tensor(v) and v.shape == p.shape})
+        if idle_units and not self._tensor_keys:
+            # a group idle at its first step must still find its state (ZeRO-2 links each
+            # parameter's view of it once, at the first step of any group): seed it all
+            self._tensor_keys = _state_keys(make_optimizer, optimizer.param_groups[0])
         masters = ([p.detach().to("cpu", torch.float32, copy=True) for p in self.trainable]
                    if bf16 else None)  # the engine's own master copies would start from bf16
 
@@ -134,6 +159,8 @@ class ZeroPhase:
         groups = [{**{k: v for k, v in optimizer.param_groups[s.source].items() if k != "params"},
                    "params": s.params} for s in self.slots]
         self.ds_optimizer = make_optimizer(groups)
+        if idle_units:
+            self._hooks.append(self.ds_optimizer.register_step_pre_hook(self._take_idle_gradients))
         # An optimiser that needs whole parameters learns what its flat partitions hold
         # (layout()); written for them, it is one DeepSpeed would otherwise refuse as untested.
         self._bind = getattr(self.ds_optimizer, "bind_zero_layout", None)
@@ -165,10 +192,11 @@ class ZeroPhase:
                     continue
                 scalars = {k: v for k, v in self.optimizer.state.get(p, {}).items()
                            if not (torch.is_tensor(v) and v.shape == p.shape)}
-                key = tuple(sorted((k, float(v) if torch.is_tensor(v) or isinstance(v, (int, float)) else repr(v))
-                                   for k, v in scalars.items()))
+                unit = self._unit_of.get(p)
+                key = (unit, *sorted((k, float(v) if torch.is_tensor(v) or isinstance(v, (int, float)) else repr(v))
+                                     for k, v in scalars.items()))
                 if key not in by_scalars:
-                    by_scalars[key] = _Slot(i, [], scalars)
+                    by_scalars[key] = _Slot(i, [], scalars, unit)
                 by_scalars[key].params.append(p)
             slots.extend(by_scalars.values())
         return slots
@@ -234,6 +262,30 @@ class ZeroPhase:
                     self.ds.utils.safe_set_full_optimizer_state(p, carried[p][key], key)
 
     # ---- every step -----------------------------------------------------------------
+    def skip(self, idle: list[nn.Parameter]) -> None:
+        """The next optimiser step leaves `idle` alone (Method.idle_parameters): each must be
+        in a group of the phase's idle_units, and that group idle as a whole."""
+        idle_ids = {id(p) for p in idle}
+        self._idle, covered = set(), 0
+        for slot, group in zip(self.slots, self.ds_optimizer.param_groups):
+            n = sum(id(p) in idle_ids for p in slot.params)
+            if n and (slot.unit is None or n != len(slot.params)):
+                raise RuntimeError("Method.idle_parameters named a parameter outside its idle_units, or only "
+                                   "part of a unit: a unit is skipped whole")
+            if n:
+                self._idle.add(id(group))
+                covered += n
+        if covered != len(idle_ids):
+            raise RuntimeError("Method.idle_parameters named a parameter this phase does not train")
+
+    def _take_idle_gradients(self, optimizer, args, kwargs) -> None:
+        """Step pre-hook: the flat partitions of idle groups lose their (zero) gradient,
+        so the optimiser passes them over, as torch's skips a parameter whose grad is None."""
+        for group in optimizer.param_groups:
+            if id(group) in self._idle:
+                for flat in group["params"]:
+                    flat.grad = None
+
     def sync_hyperparameters(self) -> None:
         """Hyperparameters a method changes on its optimiser (an lr schedule) reach the engine."""
         for slot, group in zip(self.slots, self.ds_optimizer.param_groups):
@@ -294,6 +346,8 @@ class ZeroPhase:
                           if not (torch.is_tensor(v) and v.shape == flat.shape)}
         out = {}
         for g, slot in enumerate(self.slots):
+            if float(scalars[g].get("step", 1)) == 0:
+                continue  # seeded, never stepped: no state, as on torch
             for p in slot.params:
                 out[p] = {**scalars[g], **{k: self.ds.utils.safe_get_full_optimizer_state(p, k)
                                            .detach().to("cpu", copy=True).reshape(self._shape_of[p]) for k in keys}}

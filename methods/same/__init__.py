@@ -61,11 +61,6 @@ class SAME(Method):
     description = ("SAME: a LoRA mixture (one expert per task) on gate/up/down with spectral routing, "
                    "curvature scaling and adaptive expert activation")
     Args = SAMEArgs
-    zero_unsupported = dict.fromkeys((2, 3), (
-        "a frozen expert gets no gradient, so torch's AdamW leaves it and its own step count alone, but ZeRO's "
-        "optimiser keeps one step count per flat group and moves every member by its momentum (its covariances "
-        "and usage, summed in each rank's forwards, are not all-reduced yet either)"))
-
     def __init__(self, args: SAMEArgs, context):
         super().__init__(args, context)
         self._task: Task | None = None
@@ -155,7 +150,8 @@ class SAME(Method):
 
     # ---- training ------------------------------------------------------------------------
     def loss(self, batch, step):
-        self._routing.train = True
+        r = self._routing
+        r.train, r.collect, r.shared = True, not self.ctx.padding, self.ctx.grads.world_size > 1
         try:
             lm = lm_loss(self.model, batch)
         finally:
@@ -169,28 +165,54 @@ class SAME(Method):
         return sum(int(o.sum()) for o in others) / n if n else 0.0
 
     def before_step(self, step: int) -> None:
-        task, a = self._task, self.args
-        if a.spectral_routing and step % task.refresh_every == 0:
+        """The step's statistics summed over the ranks, the routers' subspaces refreshed,
+        then the routers' and experts' gradients preconditioned (or their weights saved,
+        precondition=update), each rank on its fragment of each (cl_bench/step_gradients.py)."""
+        task, a, grads = self._task, self.args, self.ctx.grads
+        acc = [lin.acc for _, _, lin in self._wrappers()]
+        summed = grads.all_reduce(torch.stack(acc))  # usage and importance of every rank's micro-batches
+        for mine, total in zip(acc, summed):
+            mine.copy_(total)
+        refresh = a.spectral_routing and step % task.refresh_every == 0
+        if grads.world_size > 1 and (refresh or step + 1 == task.n_steps):  # after_task reads them too
+            device = device_of(self.model)
+            for covs in self.covs:
+                for cov in covs.values():
+                    cov.merge(grads.all_reduce, device)
+        if refresh:
             for l, covs in enumerate(self.covs):
                 for key, cov in covs.items():
                     sub = cov.subspace(a.delta, a.max_rank)
                     task.bases[l][key] = sub
                     task.ranks[l][key].append(sub.k if sub is not None else 0)
-        total = 0.0
-        for l, name, lin in self._wrappers():
-            g = lin.router.grad
-            norm = 0.0 if g is None else float(g.float().norm())
+        idle = {id(p) for p in self.idle_parameters(step)}
+        wrappers = self._wrappers()
+        routers = grads.fragments([lin.router for _, _, lin in wrappers if id(lin.router) not in idle])
+        norms = dict.fromkeys(map(id, (lin.router for _, _, lin in wrappers)), 0.0)
+        norms.update({id(f.param): float(f.grad.float().norm()) ** 2 for f in routers})
+        norms = grads.all_reduce(torch.tensor(list(norms.values()), dtype=torch.float64)).sqrt().tolist()
+        for (l, name, lin), norm in zip(wrappers, norms):
             task.layer_norms[name][l] += norm
-            total += norm ** 2
             task.frozen_steps[name][l] += lin.frozen.float().cpu()
-        task.grad_norms.append(math.sqrt(total))
+        task.grad_norms.append(math.sqrt(sum(n ** 2 for n in norms)))
         task.steps += 1
+        maps = [(p, fn) for p, fn in self._maps() if id(p) not in idle]
+        params = [p for p, _ in maps]
         if a.precondition == "grad":
-            for p, transform in self._maps():
-                if p.grad is not None:
-                    p.grad.copy_(transform(p.grad))
+            frags = grads.fragments(params)
+            self._apply(maps, frags, {id(f.param): f.grad for f in frags}, lambda f: f.grad)
+            grads.write(frags)
         else:
-            task.before = {id(p): p.detach().clone() for p, _ in self._maps() if p.grad is not None}
+            frags = grads.fragments(params, grad=False)
+            task.before = (maps, frags, {id(f.param): f.weight.clone() for f in frags})
+
+    def _apply(self, maps, frags, values, target) -> None:
+        """target(f) <- this rank's slice of map(whole), `whole` each parameter assembled
+        from the ranks' `values` (the maps read whole rows)."""
+        whole = self.ctx.grads.assemble([p for p, _ in maps], frags, values)
+        fn = {id(p): m for p, m in maps}
+        for f in frags:
+            target(f).copy_(f.of(fn[id(f.param)](whole[id(f.param)].view(f.shape))))
 
     def _maps(self):
         """(parameter, map on its gradient or update) for what SAME preconditions:
@@ -207,14 +229,33 @@ class SAME(Method):
                 out.extend((A, lambda g, sub=sub: damped_inverse(g, sub, a.mu)) for A in lin.lora_A)
         return out
 
+    def idle_units(self) -> list[list[nn.Parameter]]:
+        """Each expert's (A, B) of each linear, and each router: a frozen expert, and the
+        router of a linear with one expert left, get no gradient."""
+        return [unit for _, _, lin in self._wrappers()
+                for unit in [[lin.router], *([a, b] for a, b in zip(lin.lora_A, lin.lora_B))]]
+
+    def idle_parameters(self, step: int) -> list[nn.Parameter]:
+        """The frozen experts' A and B (left out of the forward), and the router of a linear
+        where one expert is left (weight 1, no router gradient: layer.py)."""
+        out = []
+        for _, _, lin in self._wrappers():
+            frozen = lin.frozen.tolist()
+            if frozen.count(False) == 1:
+                out.append(lin.router)
+            out.extend(p for i, f in enumerate(frozen) if f for p in (lin.lora_A[i], lin.lora_B[i]))
+        return out
+
     def after_step(self, step: int) -> None:
         task, a = self._task, self.args
         if task.before is not None:
-            with torch.no_grad():
-                for p, transform in self._maps():
-                    old = task.before.get(id(p))
-                    if old is not None:
-                        p.copy_(old + transform(p - old))
+            maps, frags, old = task.before
+            with torch.no_grad():  # w <- w_old + map(w - w_old) on the fp32 weights
+                update = {id(f.param): f.weight - old[id(f.param)] for f in frags}
+                self._apply(maps, frags, update, lambda f: f.weight)
+                for f in frags:
+                    f.weight.add_(old[id(f.param)])
+            self.ctx.grads.set_weights([p for p, _ in maps], frags)
             task.before = None
         for l, name, lin in self._wrappers():
             lin.end_step(a.ema, a.importance == "live")

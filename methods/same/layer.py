@@ -38,6 +38,8 @@ class Routing:
         self.reuse = False  # a cached decoding step: each linear reuses its last weights
         self.pool: torch.Tensor | None = None  # (B, T) bool: tokens whose probabilities are averaged
         self.stat: torch.Tensor | None = None  # (B, T) bool: tokens in the statistics
+        self.collect = True  # a training forward adds to the statistics (not a rank's padding copy)
+        self.shared = False  # each rank sees its share of the step: covariances merge later
 
 
 class SAMELinear(nn.Module):
@@ -136,6 +138,8 @@ class SAMELinear(nn.Module):
         else:
             w = probs * keep
             w = w / w.sum(-1, keepdim=True)
+        if not self.routing.collect:
+            return w
         with torch.no_grad():
             stat = self.routing.stat
             energy = (x.float().pow(2).sum(-1) * stat).sum(1)  # (B,) sum of ||x||^2
@@ -144,7 +148,7 @@ class SAMELinear(nn.Module):
             self.acc[1, :-1] += (w * energy.unsqueeze(1)).sum(0)
             self.acc[1, -1] += stat.sum()
             if self.collects:
-                self.cov.add(x.detach()[stat])
+                self.cov.add(x.detach()[stat], self.routing.shared)
         return w
 
     def end_step(self, ema: float, live: bool) -> None:

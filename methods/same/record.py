@@ -2,7 +2,7 @@
 from it at the task's end (stage_record, into run.json "params"): the activation
 schedule, the router and curvature ranks k (the smallest k with
 lambda_1 + .. + lambda_k >= delta * tr C, at most max_rank), the spectrum, the
-freeze masks and shares, the lock steps and the router gradient norms.
+freeze masks and shares, U and F, the lock steps and the router gradient norms.
 
 Source: SAME, ICML 2026, arXiv 2602.01990; code LAMDA-CL/Prism.
 
@@ -37,7 +37,7 @@ class Task:
     layer_norms: dict[str, torch.Tensor] | None = None  # proj -> (L,) sum over steps
     frozen_steps: dict[str, torch.Tensor] | None = None  # proj -> (L, E) steps frozen
     locked_at: dict[str, list[int | None]] | None = None  # proj -> per layer
-    before: dict[int, torch.Tensor] | None = None  # precondition=update: values before the step
+    before: tuple | None = None  # precondition=update: (maps, this rank's fragments, fp32 values before)
 
 
 def stage_record(task: Task, linears: list[dict[str, Any]], previous: list[dict[str, Subspace | None]],
@@ -68,6 +68,11 @@ def stage_record(task: Task, linears: list[dict[str, Any]], previous: list[dict[
                              for l in range(len(linears))] for p in TARGETS},
         "freeze_share": {p: [[_round(x / steps) for x in row] for row in task.frozen_steps[p].tolist()]
                          for p in TARGETS},
+        # what the masks were decided on, at the task's end: U (usage EMA) and F (importance EMA)
+        "usage": {p: [[_round(x) for x in linears[l][p].usage.tolist()] for l in range(len(linears))]
+                  for p in TARGETS},
+        "importance": {p: [[_round(x) for x in linears[l][p].importance.tolist()] for l in range(len(linears))]
+                       for p in TARGETS},
         "locked_at": dict(task.locked_at),
         "all_frozen": all_frozen,
         "all_frozen_step": max(locked) if all_frozen else None,

@@ -99,24 +99,48 @@ def damped_inverse(g: torch.Tensor, sub: Subspace, mu: float) -> torch.Tensor:
 
 
 class InputCovariance:
-    """Running uncentred covariance sum_x x x^T / n over every token added (fp32)."""
+    """Running uncentred covariance sum_x x x^T / n over every token added (fp32). On N
+    ranks each adds its own tokens to `fresh` (add(..., shared=True)); `merge` sums the
+    ranks' fresh parts into the covariance, which every rank must call before reading it."""
 
     def __init__(self, dim: int):
         self.dim = dim
         self.sum: torch.Tensor | None = None  # (d, d) fp32, allocated on first use
         self.count = 0
+        self.fresh: torch.Tensor | None = None  # this rank's tokens since the last merge (N ranks)
+        self.fresh_count = 0
 
-    def add(self, x: torch.Tensor) -> None:
-        """x: (n, d) tokens."""
+    def add(self, x: torch.Tensor, shared: bool = False) -> None:
+        """x: (n, d) tokens; `shared`: this rank's share of the data (merge sums the shares)."""
         if not len(x):
             return
         x = x.float()
+        if shared:
+            if self.fresh is None:
+                self.fresh = torch.zeros(self.dim, self.dim, device=x.device)
+            self.fresh.addmm_(x.T, x)
+            self.fresh_count += len(x)
+        else:
+            self._total(x.device).addmm_(x.T, x)
+            self.count += len(x)
+
+    def _total(self, device) -> torch.Tensor:
         if self.sum is None:
-            self.sum = torch.zeros(self.dim, self.dim, device=x.device)
-        elif self.sum.device != x.device:
-            self.sum = self.sum.to(x.device)
-        self.sum.addmm_(x.T, x)
-        self.count += len(x)
+            self.sum = torch.zeros(self.dim, self.dim, device=device)
+        elif self.sum.device != device:
+            self.sum = self.sum.to(device)
+        return self.sum
+
+    def merge(self, all_reduce, device) -> None:
+        """Every rank's fresh tokens into the covariance (`all_reduce` sums a tensor over
+        the ranks in place; every rank calls this, in the same order)."""
+        fresh = self.fresh if self.fresh is not None else torch.zeros(self.dim, self.dim, device=device)
+        both = torch.cat([fresh.reshape(-1), fresh.new_tensor([float(self.fresh_count)])])
+        all_reduce(both)
+        if int(both[-1]):
+            self._total(both.device).add_(both[:-1].view(self.dim, self.dim))
+            self.count += int(both[-1])
+        self.fresh, self.fresh_count = None, 0
 
     def subspace(self, delta: float, max_rank: int) -> Subspace | None:
         return None if not self.count else top_subspace(self.sum / self.count, delta, max_rank)

@@ -1,7 +1,8 @@
 """The deepspeed backend on 2 ranks (CPU, gloo): ZeRO-2 and ZeRO-3 runs of seqft,
-lora, upcycle, ewc, ogd, bilevel-cka, care and mofo (and replay, olora and cluster-upcycle
-on ZeRO-2) on the smoke profile agree with the torch backend, resume works, and only
-rank 0 writes, logs and shows progress; care on 3 ranks, one running a padding copy.
+lora, upcycle, ewc, ogd, bilevel-cka, care, mofo and same (and replay, olora and
+cluster-upcycle on ZeRO-2) on the smoke profile agree with the torch backend, resume
+works, and only rank 0 writes, logs and shows progress; care and same on 3 ranks, one
+running a padding copy.
 
 One launch (torchrun: the "launched from outside" path) runs every run of RUNS and an
 interrupted-and-resumed one inside the same two processes, which saves a launch per
@@ -19,6 +20,15 @@ gradients (cl_bench/step_gradients.py) on their rank's fragments: ewc at λ = 1e
 (grad_norm ~150 against ~2); skipping it on rank 1 gives grad_norm 111.5 against
 148.5, and ogd without the all-reduce of its coefficients gives 0.6299 against
 0.6350 (both checked by hand, ZeRO-2).
+
+same (methods/same/): its experts freeze from a task's second smoke step on, and a
+frozen expert (and the router of a linear with one expert left) takes no AdamW step on
+either backend (Method.idle_parameters; zero_engine skips its DeepSpeed group). Checked
+by hand at ZeRO-2: the skip removed gives grad_norm 0.021763 for 0.021698 at stage 2's
+first step; the covariances not summed over the ranks 0.033450 for 0.033455 at its
+second; usage and importance not summed, a usage of 0.0377907 for 0.0379047 in the
+stage record (precondition=update, the fp32 weights changed in after_step, also agrees
+at ZeRO-2 and ZeRO-3, run by hand).
 
 mofo's optimiser picks the top-α entries of each matrix from its |momentum|
 assembled over the ranks (methods/mofo.py): at α = 0.05 the filter shows (α = 1,
@@ -48,8 +58,8 @@ from helpers import (assert_same_run, deepspeed_args, interrupted_ds_run, make_t
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deepspeed-ranks")]
 
 # replay: 2 micro-batches and a replay one per step, so one rank also runs a padding copy
-RUNS = [(method, zero) for method in ("seqft", "lora", "upcycle", "ewc", "ogd", "bilevel-cka", "care", "mofo")
-        for zero in (2, 3)] + [("replay", 2), ("olora", 2), ("cluster-upcycle", 2)]
+RUNS = [(method, zero) for method in ("seqft", "lora", "upcycle", "ewc", "ogd", "bilevel-cka", "care", "mofo",
+                                     "same") for zero in (2, 3)] + [("replay", 2), ("olora", 2), ("cluster-upcycle", 2)]
 RESUMED = ("upcycle", 3)
 ARGS = {"ewc": ["--method-arg", "lambda_ewc=1e6"],  # the penalty's gradient dominates: a rank skipping it shows
         "mofo": ["--method-arg", "alpha=0.05", "--keep-checkpoint"]}  # the filter shows; weights compared too
@@ -152,16 +162,18 @@ def test_cli_starts_its_ranks_and_only_rank_zero_speaks(trace_dir, tmp_path):
             assert not torch.allclose(gate, dense.reshape(gate.shape)), (layer, g)
 
 
-def test_three_ranks_the_padding_copy_feeds_no_statistic(trace_dir, tmp_path):
-    """CaRE at ZeRO-2 on 3 ranks: a step's 2 task micro-batches leave rank 2 a weight-0
-    copy of the first; its loss runs (every rank makes as many backward passes) but the
-    perceiver CE it computes stays out of the record (ctx.padding), and the shared
-    adapter's anchor pull lands on the fp32 masters: the run is the torch backend's.
-    Mutations caught (checked by hand): the copy's CE kept (perceiver_ce_end differs),
-    the statistics not gathered in before_step, the pull applied to the working copy."""
+@pytest.mark.parametrize("method", ["care", "same"])
+def test_three_ranks_the_padding_copy_feeds_no_statistic(trace_dir, tmp_path, method):
+    """At ZeRO-2 on 3 ranks: a step's 2 task micro-batches leave rank 2 a weight-0 copy
+    of the first; its loss runs (every rank makes as many backward passes) but what it
+    computes stays out of the method's statistics (ctx.padding): CaRE's perceiver CE,
+    SAME's usage, importance and covariances; CaRE's anchor pull lands on the fp32
+    masters: each run is the torch backend's. Mutations caught (checked by hand): care:
+    the copy's CE kept (perceiver_ce_end differs), the statistics not gathered in
+    before_step, the pull applied to the working copy; same: the copy's statistics kept."""
     one, three = tmp_path / "one", tmp_path / "three"
-    assert run_cli(*smoke_args(trace_dir, one, "--method", "care")) == 0
-    argv = smoke_args(trace_dir, three, "--method", "care", "--nproc", "3", *deepspeed_args(tmp_path, 2))
+    assert run_cli(*smoke_args(trace_dir, one, "--method", method)) == 0
+    argv = smoke_args(trace_dir, three, "--method", method, "--nproc", "3", *deepspeed_args(tmp_path, 2))
     done = subprocess.run([sys.executable, "-m", "cl_bench.cli", *map(str, argv)], env=_launch_env(),
                           capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -27,6 +27,7 @@ class Recorder:
 
     def __init__(self, model=None):
         self.model, self.calls = model, []
+        self.idle: dict[int, list] = {}  # step -> the parameters idle_parameters names
 
     def loss(self, micro, step):
         self.calls.append(("loss", step))
@@ -47,6 +48,9 @@ class Recorder:
 
     def after_step(self, step):
         self.calls.append(("after_step", step))
+
+    def idle_parameters(self, step):
+        return self.idle.get(step, [])
 
 
 def test_job_log_sums_weighted_parts_prefixes_replay_and_skips_padding():
@@ -73,7 +77,7 @@ def test_run_phase_calls_hooks_in_order_and_passes_over_taken_steps():
             job.log(parts, named)
         return parts
 
-    def update(parts):
+    def update(parts, idle):
         method.calls.append(("update", dict(parts)))
         parts["grad_norm"] = 1.0
 
@@ -118,3 +122,30 @@ def test_torch_backend_runs_the_loop_with_its_optimiser():
                             ("after_step", 1)]
     assert [s for s, _ in logged] == [0, 1] and all(set(p) == {"nll", "grad_norm"} for _, p in logged)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_torch_backend_leaves_idle_parameters_alone():
+    """A parameter the method names idle in a step (Method.idle_parameters) takes no
+    AdamW step there, though before_step gave it a (zero) gradient as a method may
+    through ctx.grads: its weight, moments and step count stay, as for a parameter no
+    micro-batch reached (the deepspeed backend's zero_engine does the same under ZeRO).
+    Mutation caught: the torch update not clearing the idle gradients (the embedding
+    moves by its momentum at step 1 and counts 2 steps)."""
+    from cl_bench.backends.torch_backend import TorchBackend
+    from cl_bench.models.loading import tiny_llama
+    from cl_bench.step_gradients import StepGradients
+
+    model, tok, _ = tiny_llama(0)
+    method = Recorder(model)
+    embedding = model.get_input_embeddings().weight
+    method.idle = {1: [embedding]}
+    moved = []
+    method.before_step = lambda step: StepGradients().fragments(list(model.parameters()))  # zero where None
+    method.after_step = lambda step: moved.append(embedding.detach().clone())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    config = RunConfig(seed=7, train=TrainConfig(batch_size=2, micro_batch_size=1, grad_clip=1.0))
+    rows = [Encoder(tok, 16, 6, "head_tail", 4).train_example(f"p{i}", "answer") for i in range(3)]
+    start = embedding.detach().clone()
+    TorchBackend(config, torch.device("cpu")).train_stage(method, optimizer, STAGE, [rows], tok.pad_token_id)
+    assert not torch.equal(moved[0], start)  # step 0 trained it
+    assert torch.equal(moved[1], moved[0]) and float(optimizer.state[embedding]["step"]) == 1
