@@ -205,7 +205,10 @@ def cmd_site(args) -> int:
 def cmd_analyze(args) -> int:
     from cl_bench.report.figures.plots import analyze
 
-    for path in analyze(args.run_dir, args.against, args.from_stage, args.calibrate_stage):
+    from cl_bench.record.io import stage_index
+
+    calibrate = None if args.calibrate_stage is None else stage_index(args.calibrate_stage)
+    for path in analyze(args.run_dir, args.against, stage_index(args.from_stage), calibrate):
         print(path)
     return 0
 

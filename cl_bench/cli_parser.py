@@ -18,6 +18,22 @@ def _kv(text: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
+def _stage_number(lowest: int):
+    """An argparse type: a stage as the user numbers it (1..T, 0 the zero-shot row;
+    cl_bench/record/io.stage_number), at least `lowest`."""
+    def parse(text: str) -> int:
+        try:
+            number = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not a stage number") from None
+        if number < lowest:
+            raise argparse.ArgumentTypeError(
+                f"{number}: stages are numbered from 1, as `cl-bench show` numbers them"
+                + (" (0: the zero-shot row)" if lowest == 0 else ""))
+        return number
+    return parse
+
+
 def _add_run(sub) -> None:
     p = sub.add_parser("run", help="train a method over a TRACE task sequence and score it",
                        description="Train a continual-learning method task after task, evaluate "
@@ -172,9 +188,10 @@ def _add_analyze(sub) -> None:
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     p.add_argument("--against", type=Path, metavar="OTHER_RUN",
                    help="also compare step time and peak memory with this run (cost-vs-<id>.json)")
-    p.add_argument("--from-stage", type=int, default=0, metavar="B",
-                   help="--against: compare stages B.. (0-based; 1 skips a first task both train alike)")
-    p.add_argument("--calibrate-stage", type=int, metavar="B",
+    p.add_argument("--from-stage", type=_stage_number(1), default=1, metavar="N",
+                   help="--against: compare stages N.. (numbered as `show` does, from 1; 2 skips a first "
+                        "task both train alike)")
+    p.add_argument("--calibrate-stage", type=_stage_number(1), metavar="N",
                    help="--against: a stage both runs compute identically; ratios also divided by its "
                         "ratio, cancelling a difference in machine load")
 
@@ -184,7 +201,9 @@ def _add_score(sub) -> None:
     p.add_argument("--task", required=True, help="TRACE task name, e.g. 20Minuten")
     p.add_argument("--predictions", type=Path, required=True,
                    help='JSONL, one {"prompt", "prediction", "answer"} per line')
-    p.add_argument("--stage", type=int, help="with cl-bench's predictions.jsonl: which stage")
+    p.add_argument("--stage", type=_stage_number(0), metavar="N",
+                   help="with cl-bench's predictions.jsonl: which stage, numbered as `show` numbers "
+                        "its rows (1..T; 0: the zero-shot row)")
 
 
 def _add_params(sub) -> None:
@@ -196,7 +215,7 @@ def _add_params(sub) -> None:
     grown = p.add_mutually_exclusive_group()
     grown.add_argument("--decisions", type=Path, metavar="FILE",
                        help="methods that decide Expand / Recycle (bilevel-cka): count this decision map, "
-                            "JSON [task][layer][slot] of 0/1 for tasks 1..T-1, or a run.json; default: "
+                            "JSON [task][layer][slot] of 0/1 for stages 2..T, or a run.json; default: "
                             "the upper bound, every decision Expand")
     grown.add_argument("--experts-per-layer", type=float, metavar="X",
                        help="as --decisions, from the mean experts per MoE layer after the last task "

@@ -50,7 +50,8 @@ class ItemTable:
             if items[j] is None:
                 items[j] = order
             elif items[j] != order:
-                raise ValueError(f"task {tasks[j]}: stage {b} scored other test items than an earlier stage")
+                raise ValueError(f"task {tasks[j]}: stage {results.stage_number(b)} ('stage': {b} in "
+                                 f"predictions.jsonl) scored other test items than an earlier stage")
             scores[b, j] = np.array([r["score"] for r in rows], float)
             if tasks[j] in RULES:
                 forms[b, j] = np.array(well_formed(tasks[j], [r["prediction"] for r in rows],

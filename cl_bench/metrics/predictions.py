@@ -7,11 +7,12 @@ from pathlib import Path
 from cl_bench.benchmarks.trace import get_task
 from cl_bench.errors import UserError
 from cl_bench.metrics import scorers
-from cl_bench.record.io import json_lines
+from cl_bench.record.io import ZERO_SHOT_STAGE, json_lines, stage_index, stage_number
 
 
 def score_file(path: Path, task: str, stage: int | None) -> dict:
-    """{"task", "metric", "score", "n"} of the predictions in `path` for `task` (at `stage`)."""
+    """{"task", "metric", "score", "n"} of the predictions in `path` for `task` (at `stage`,
+    numbered as `show` numbers it: 1..T, 0 the zero-shot row; record/io.stage_number)."""
     spec = get_task(task)
     rows = read_predictions(path, task, stage)
     preds = [r["prediction"].strip() for r in rows]
@@ -21,7 +22,8 @@ def score_file(path: Path, task: str, stage: int | None) -> dict:
 
 def read_predictions(path: Path, task: str, stage: int | None) -> list[dict]:
     """Lines of {"prompt", "prediction", "answer"}; lines that carry "task"/"stage"
-    fields (cl-bench's own predictions.jsonl) are filtered to --task/--stage."""
+    fields (cl-bench's own predictions.jsonl) are filtered to --task/--stage. `stage`
+    is the user's number (1..T, 0 zero-shot); the file's `stage` is its 0-based index."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -39,7 +41,7 @@ def read_predictions(path: Path, task: str, stage: int | None) -> list[dict]:
                                 f"fix that line")
         if "task" in row and row["task"] != task:
             continue
-        if stage is not None and row.get("stage") != stage:
+        if stage is not None and row.get("stage") != stage_index(stage):
             continue
         rows.append(row)
     if not rows:
@@ -48,6 +50,7 @@ def read_predictions(path: Path, task: str, stage: int | None) -> list[dict]:
                         + "; check --task and --stage")
     stages = sorted({r["stage"] for r in rows if isinstance(r.get("stage"), int)})
     if stage is None and len(stages) > 1:  # pooling stages would score no cell of the matrix
-        raise UserError(f"{path}: task {task} has predictions of stages {', '.join(map(str, stages))}"
-                        + (" (-1: zero-shot)" if -1 in stages else "") + "; pass --stage to score one")
+        raise UserError(f"{path}: task {task} has predictions of stages "
+                        f"{', '.join(str(stage_number(b)) for b in stages)}"
+                        + (" (0: zero-shot)" if ZERO_SHOT_STAGE in stages else "") + "; pass --stage to score one")
     return rows

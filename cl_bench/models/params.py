@@ -118,9 +118,14 @@ def params_command(model: str, method: str, tasks: int,
                    decisions: list | None = None,
                    experts_per_layer: float | None = None) -> list[dict[str, Any]]:
     """What `cl-bench params --model M --method X --tasks N [--decisions FILE |
-    --experts-per-layer X]` reports."""
-    return schedule_report(model, method, tasks, method_args, decisions=decisions,
+    --experts-per-layer X]` reports: schedule_report's rows, each `stage` numbered as
+    `show` and the site's parameter table number it (1..N; the record's `params` keep
+    the 0-based index, record/io.stage_number)."""
+    from cl_bench.record.io import stage_number
+
+    rows = schedule_report(model, method, tasks, method_args, decisions=decisions,
                            experts_per_layer=experts_per_layer)
+    return [{**r, "stage": stage_number(r["stage"])} for r in rows]
 
 
 def format_schedule(rows: list[dict[str, Any]]) -> str:

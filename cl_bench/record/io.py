@@ -28,6 +28,21 @@ LOCK_FILE = "run.lock"  # flock-ed by the process writing the run; holds its PID
 ZERO_SHOT_STAGE = -1  # the `stage` of the zero-shot row's predictions and task metrics
 
 
+# Stage numbers. What a user reads or types (show, the site, `score --stage`, `params`,
+# `analyze --from-stage`, logs and messages) counts stages from 1 (1..T; 0 is the zero-shot
+# row); the files keep the 0-based position they always had (`stage` in predictions.jsonl,
+# run.json's stages, params, timing and task_metrics, the matrix's row; -1 the zero-shot
+# row), so records written before and after read the same. These two convert between them.
+def stage_number(index: int) -> int:
+    """The number a user reads for the stage at 0-based `index` (ZERO_SHOT_STAGE -> 0)."""
+    return index + 1
+
+
+def stage_index(number: int) -> int:
+    """The 0-based position in the files of the stage a user numbered `number` (0 -> ZERO_SHOT_STAGE)."""
+    return number - 1
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write via a temporary file in the same folder, then os.replace; an existing
     file keeps its permission bits (mkstemp would make it 0600)."""

@@ -28,7 +28,7 @@ from cl_bench.errors import UserError
 from cl_bench.metrics import trace_scorers
 from cl_bench.metrics.cl import SUMMARY
 from cl_bench.metrics.published import trace_bwt, trace_op, treelora_bwt
-from cl_bench.record.io import PREDICTIONS_FILE, read_jsonl
+from cl_bench.record.io import PREDICTIONS_FILE, read_jsonl, stage_number
 from cl_bench.record.schema import RunRecord
 from cl_bench.report.leaderboard.table import FORMATS, MISSING
 
@@ -79,7 +79,8 @@ def trace_matrix(run: RunRecord, predictions: list[dict]) -> list[list[float | N
     for (b, j), rows in sorted(groups.items()):
         metric = metrics.get((b, tasks[j]))
         if metric is None:
-            raise UserError(f"{run.source}: task_metrics has no metric for stage {b}, task {tasks[j]}; "
+            raise UserError(f"{run.source}: task_metrics has no metric for stage {stage_number(b)} ('stage': {b} "
+                            f"in the file), task {tasks[j]}; "
                             f"the record is incomplete")
         rows.sort(key=lambda r: r["index"])
         R[b][j] = trace_scorers.score(metric, [r["prediction"] for r in rows], [r["answer"] for r in rows],

@@ -181,12 +181,12 @@ def _check_decisions(decisions: list, n_tasks: int, n_cand: int, K: int) -> list
         decisions = decisions[1:]
     if len(decisions) != n_tasks - 1:
         raise UserError(f"decision map: {len(decisions)} tasks of decisions for --tasks {n_tasks}; give one "
-                        f"[layer][slot] map per task 1..{n_tasks - 1} (a leading null for task 0 may stand first)")
+                        f"[layer][slot] map per stage 2..{n_tasks} (a leading null for stage 1 may stand first)")
     for t, task in enumerate(decisions, start=1):
         ok = (isinstance(task, list) and len(task) == n_cand
               and all(isinstance(row, list) and len(row) == K and all(v in (0, 1) for v in row) for row in task))
         if not ok:
-            raise UserError(f"decision map, task {t}: expected {n_cand} candidate layers x {K} slots of 0/1")
+            raise UserError(f"decision map, stage {t + 1}: expected {n_cand} candidate layers x {K} slots of 0/1")
     return decisions
 
 

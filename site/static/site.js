@@ -53,6 +53,12 @@
   filters.forEach(function (s) { s.addEventListener("change", applyFilters); });
   if (filters.length) applyFilters();
 
+  // "every column": the leaderboard's secondary columns (class "more"), hidden by default.
+  var all = document.getElementById("all-columns");
+  if (all) {
+    all.addEventListener("change", function () { document.body.classList.toggle("all-columns", all.checked); });
+  }
+
   // The compare selector: the pre-computed pages, either way round.
   var data = document.getElementById("pairs-data");
   if (data) {

@@ -39,8 +39,8 @@ def test_rescoring_a_runs_predictions_matches_its_matrix(trace_dir, tmp_path, ca
     (run_dir,) = [p.parent for p in out.glob("*/run.json")]
     record = json.loads((run_dir / "run.json").read_text())
     capsys.readouterr()
-    for j, task in enumerate(record["tasks"]):
+    for j, task in enumerate(record["tasks"]):  # --stage 3: show's row 3, the matrix's row 2 (0-based)
         assert run_cli("score", "--task", task, "--predictions", run_dir / "predictions.jsonl",
-                       "--stage", "2") == 0
+                       "--stage", "3") == 0
         shown = json.loads(capsys.readouterr().out)
         assert shown["score"] == pytest.approx(record["matrix"][2][j])

@@ -142,7 +142,7 @@ def test_params_cli_reads_a_decision_map_or_a_run_record(tmp_path, capsys):
         assert rows[-1]["bound"] == "the given decisions" and rows[-1]["decisions"] == maps[1]
     assert upper[-1]["total"] - upper[0]["total"] == 32 * expert  # without a map: every decision Expand
 
-    with pytest.raises(UserError, match="task 2: expected 2 candidate layers x 8 slots"):
+    with pytest.raises(UserError, match="stage 3: expected 2 candidate layers x 8 slots"):
         params_command("tiny-llama", "bilevel-cka", 3, decisions=[maps[0], [[1] * 8]])
     with pytest.raises(UserError, match="1 tasks of decisions for --tasks 3"):
         params_command("tiny-llama", "bilevel-cka", 3, decisions=maps[:1])

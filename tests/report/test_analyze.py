@@ -103,7 +103,7 @@ def test_cost_against_another_run_divides_seconds_per_step_stage_by_stage(tmp_pa
     slow = timed("slow", [16.0, 6.0], [100.0, 150.0])  # stage 0 (the same work) at half the speed
     calibrated = cost(search, slow, from_stage=1, calibrate_stage=0)
     assert calibrated["load_ratio"] == 0.5 and calibrated["median_calibrated_step_ratio"] == 4.0
-    with pytest.raises(UserError, match="calibrate-stage 5"):
+    with pytest.raises(UserError, match=r"calibrate-stage 6: .* finished \(those are 1, 2\)"):  # numbered as show does
         cost(search, slow, calibrate_stage=5)
     paths = analyze(search, against=base, from_stage=1)
     assert json.loads((search / "cost-vs-base.json").read_text()) == out and paths[-1].name == "cost-vs-base.json"

@@ -6,8 +6,10 @@ temporary folder."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 from helpers import run_cli, smoke_args
@@ -46,7 +48,7 @@ def _column(browser, table, header: str) -> list[str]:
 
     heads = [th.text for th in table.find_elements(By.CSS_SELECTOR, "thead th")]
     col = heads.index(header)
-    return [tr.find_elements(By.TAG_NAME, "td")[col].text
+    return [tr.find_elements(By.TAG_NAME, "td")[col].text.split("\n")[0]  # a score's interval on its 2nd line
             for tr in table.find_elements(By.CSS_SELECTOR, "tbody.ranked tr")]
 
 
@@ -126,3 +128,75 @@ def test_site_in_headless_chromium(browser, trace_dir, tmp_path, capsys):
     assert all(tr.find_element(By.CSS_SELECTOR, "td.story").text for tr in items)
     browser.save_screenshot(str(shots / "items.png"))
     assert all((shots / f"{name}.png").stat().st_size > 10_000 for name in ("index", "run", "compare", "items"))
+
+
+def _in_view(browser, element) -> bool:
+    """Shown, and inside the window's width without scrolling."""
+    left, right = browser.execute_script(
+        "var r = arguments[0].getBoundingClientRect(); return [r.left, r.right];", element)
+    width = browser.execute_script("return document.documentElement.clientWidth;")
+    return element.is_displayed() and 0 <= left and right <= width
+
+
+def test_the_site_at_1400_px(browser, tmp_path):
+    """Issue 51, item 6, at a 1,400 px window: the index shows Method, Last Acc and BWT
+    with their intervals (text and bar) in view and its table needs no sideways
+    scroll, the other columns one click away; the run page's and the prediction
+    browser's matrices have a colour legend on the figures' scale, and the heatmap
+    figure's text is drawn at 12 px or more. Mutations caught: the scores' interval
+    text left out; every column shown by default (the table scrolls); a matrix
+    without its legend; the heatmap squeezed below legible size (its old 520 px cap)."""
+    from selenium.webdriver.common.by import By
+
+    from cl_bench.metrics.intervals import record_intervals
+    from cl_bench.record.io import read_record
+    from cl_bench.report.figures import plots
+    from cl_bench.report.site.views import score_colours
+
+    root = Path(__file__).resolve().parents[2]
+    runs = tmp_path / "runs"
+    for name in ("seqft-cpu-paper6-seed2", "replay-cpu-paper6-seed2"):
+        shutil.copytree(root / "results" / name, runs / name, ignore=shutil.ignore_patterns("*.png"))
+        record = read_record(runs / name)
+        plots.heatmap(record, runs / name / "heatmap.png", record_intervals(record, runs / name))
+    site = tmp_path / "site"
+    assert run_cli("site", "--runs", runs, "--out", site) == 0
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+
+    browser.get((site / "index.html").as_uri())
+    table = browser.find_element(By.CSS_SELECTOR, "table.leaderboard")
+    heads = table.find_elements(By.CSS_SELECTOR, "thead th")
+    texts = [th.get_attribute("textContent") for th in heads]
+    first = table.find_element(By.CSS_SELECTOR, "tbody.ranked tr").find_elements(By.TAG_NAME, "td")
+    for header in ("Method", "Last Acc", "BWT"):
+        assert _in_view(browser, heads[texts.index(header)]), header
+    for header in ("Last Acc", "BWT"):
+        cell = first[texts.index(header)]
+        interval = cell.find_element(By.CSS_SELECTOR, ".interval")
+        assert re.fullmatch(r"\[-?\d+\.\d, -?\d+\.\d\]", interval.text) and _in_view(browser, interval), header
+        assert _in_view(browser, cell.find_element(By.CSS_SELECTOR, ".bar .ci")), header
+    scroll = table.find_element(By.XPATH, "..")
+    assert browser.execute_script("return arguments[0].scrollWidth <= arguments[0].clientWidth;", scroll)
+    wall = heads[texts.index("Wall time (min)")]
+    assert not wall.is_displayed()
+    browser.save_screenshot(str(shots / "index-1400.png"))
+    browser.find_element(By.ID, "all-columns").click()
+    assert wall.is_displayed()
+
+    browser.get((site / "runs" / "seqft-cpu-paper6-seed2.html").as_uri())
+    legend = browser.find_element(By.ID, "matrix-legend")
+    assert _in_view(browser, legend)
+    gradient = legend.find_element(By.CSS_SELECTOR, ".legend-bar").get_attribute("style")
+    for value in (0.0, 50.0, 100.0):  # the cells' colours, which are the figure's (plots.score_rgba)
+        hex_ = score_colours(value)[0]
+        rgb = "rgb({}, {}, {})".format(*(int(hex_[k:k + 2], 16) for k in (1, 3, 5)))
+        assert rgb in gradient, (value, gradient)
+    image = browser.find_element(By.CSS_SELECTOR, "figure img[src$='heatmap.png']")
+    browser.execute_script("arguments[0].scrollIntoView();", image)
+    natural, shown = browser.execute_script("return [arguments[0].naturalWidth, arguments[0].clientWidth];", image)
+    assert natural > 0 and plots.HEATMAP_FONT * plots.DPI / 72 * shown / natural >= 12, (natural, shown)
+    browser.save_screenshot(str(shots / "run-1400.png"))
+
+    browser.find_element(By.LINK_TEXT, "NumGLUE-cm").click()
+    assert browser.find_element(By.ID, "items-legend").is_displayed()

@@ -26,3 +26,23 @@ def test_graded_scores_say_the_numbers():
 def test_the_bar_places_the_interval_on_the_column_span():
     assert interval_bar(20.0, 25.0, 30.0, 0.0, 40.0) == {"left": 50.0, "width": 25.0, "mean": 62.5}
     assert interval_bar(None, 25.0, 30.0, 0.0, 40.0) is None
+
+
+def test_the_heatmap_figure_and_the_html_matrix_share_one_colour_scale(monkeypatch, tmp_path):
+    """Mutation caught: the figure's scale stretched to the run's highest score (as it
+    was), so one colour meant different scores in the figure and on the page."""
+    from pathlib import Path
+
+    from matplotlib.colors import to_hex
+
+    from cl_bench.record.io import read_record
+    from cl_bench.report.figures import plots
+    from cl_bench.report.site.views import score_colours
+
+    drawn = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: drawn.append(fig) or path)
+    record = read_record(Path(__file__).resolve().parents[2] / "results" / "seqft-cpu-paper6-seed2")
+    plots.heatmap(record, tmp_path / "heatmap.png")
+    (image,) = drawn[0].axes[0].images
+    for value in (0.0, 12.5, 37.1, 100.0):
+        assert to_hex(image.to_rgba(value)) == score_colours(value)[0], value

@@ -234,7 +234,7 @@ REFUSED = [  # (case, setup, message)
     ("empty answers", _empty_answers(True), "no answer tokens are left to train on; fill in the answers"),
     ("empty answers and prompts", _empty_answers(False), "no answer tokens are left to train on; fill in the"),
     ("score not UTF-8", _score_not_utf8, "p.jsonl: not UTF-8 text (byte 12)"),
-    ("score pooled stages", _score_pooled, "has predictions of stages 0, 1; pass --stage"),
+    ("score pooled stages", _score_pooled, "has predictions of stages 1, 2; pass --stage"),
 ]
 
 

@@ -9,6 +9,9 @@ under different machine load (threads, other jobs) differ by that load as well:
 `--calibrate-stage B` names a stage both runs compute identically (bilevel-cka's
 first task is plain upcycling, the same work as upcycle's) and also gives every
 step ratio divided by stage B's, which cancels the load factor.
+
+The flags number stages as `show` does (from 1); `from_stage`, `calibrate_stage` and
+each row's `stage` here and in the JSON are the files' 0-based positions (record/io).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import statistics
 from pathlib import Path
 
 from cl_bench.errors import UserError
-from cl_bench.record.io import RUN_FILE, read_finished
+from cl_bench.record.io import RUN_FILE, read_finished, stage_number
 
 
 def cost(run_dir: Path, other_dir: Path, from_stage: int = 0, calibrate_stage: int | None = None) -> dict:
@@ -33,10 +36,11 @@ def cost(run_dir: Path, other_dir: Path, from_stage: int = 0, calibrate_stage: i
     both = set(timing[0]) & set(timing[1])
     stages = sorted(b for b in both if b >= from_stage)
     if not stages:
-        raise UserError(f"no stage from {from_stage} on finished in both {run_dir} and {other_dir}")
+        raise UserError(f"--from-stage {stage_number(from_stage)}: no stage from it on finished in both "
+                        f"{run_dir} and {other_dir}")
     if calibrate_stage is not None and calibrate_stage not in both:
-        raise UserError(f"--calibrate-stage {calibrate_stage}: not a stage both {run_dir} and {other_dir} "
-                        f"finished ({sorted(both)})")
+        raise UserError(f"--calibrate-stage {stage_number(calibrate_stage)}: not a stage both {run_dir} and "
+                        f"{other_dir} finished (those are {', '.join(str(stage_number(b)) for b in sorted(both))})")
     ratio = {b: per_step[0][b] / per_step[1][b] for b in both}
     load = None if calibrate_stage is None else ratio[calibrate_stage]
     rows = [{"stage": b, "task": run.stages[b].label, "s_per_step": per_step[0][b],

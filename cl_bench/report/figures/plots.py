@@ -41,6 +41,25 @@ from cl_bench.record.schema import RunRecord
 from cl_bench.record.io import read_finished
 
 
+# The score matrices' one colour scale: heatmap.png's and the site's HTML matrices
+# (cl_bench/report/site/views.py) and legends, fixed at 0-100 so a colour means one
+# score in every run.
+SCORE_CMAP = "viridis"
+SCORE_RANGE = (0.0, 100.0)
+DPI = 120
+# heatmap.png's text in points: at DPI, 11 pt is 18 px, drawn about 1:1 by the site's
+# run page at 1,400 px (its figure is at most the page's width)
+HEATMAP_FONT = 11
+
+
+def score_rgba(value: float) -> tuple[float, float, float, float]:
+    """The colour of a score on the matrices' scale (clipped to SCORE_RANGE)."""
+    import matplotlib
+
+    lo, hi = SCORE_RANGE
+    return matplotlib.colormaps[SCORE_CMAP](min(max((value - lo) / (hi - lo), 0.0), 1.0))
+
+
 def _pyplot():
     import matplotlib
 
@@ -85,20 +104,23 @@ def heatmap(record: RunRecord, path: Path, iv: dict | None = None) -> Path:
     plt = _pyplot()
     tasks = record.tasks
     labels, matrix, cis = _with_zero_shot(record, iv)
-    fig, ax = plt.subplots(figsize=(1.3 * len(tasks) + 3.5, 0.7 * len(labels) + 2))
-    image = ax.imshow(matrix, cmap="viridis", vmin=0, vmax=max(1.0, float(np.nanmax(matrix)) if np.isfinite(matrix).any() else 1.0))
+    font = HEATMAP_FONT
+    fig, ax = plt.subplots(figsize=(1.6 * len(tasks) + 3.5, 0.8 * len(labels) + 2.4))
+    image = ax.imshow(matrix, cmap=SCORE_CMAP, vmin=SCORE_RANGE[0], vmax=SCORE_RANGE[1])
     for (i, j), value in np.ndenumerate(matrix):
         if np.isfinite(value):
             ci = cis[i][j]
             text = f"{value:.1f}" + (f"\n[{ci[0]:.0f}, {ci[1]:.0f}]" if ci else "")
-            ax.text(j, i, text, ha="center", va="center", color=text_colour(image.to_rgba(value)), fontsize=7)
-    ax.set_xticks(range(len(tasks)), tasks, rotation=30, ha="right")
-    ax.set_yticks(range(len(labels)), labels)
-    ax.set_xlabel("task evaluated")
-    ax.set_ylabel("after stage")
+            ax.text(j, i, text, ha="center", va="center", color=text_colour(score_rgba(value)), fontsize=font)
+    ax.set_xticks(range(len(tasks)), tasks, rotation=30, ha="right", fontsize=font)
+    ax.set_yticks(range(len(labels)), labels, fontsize=font)
+    ax.set_xlabel("task evaluated", fontsize=font)
+    ax.set_ylabel("after stage", fontsize=font)
     title = _summary_title(record, iv, ("last_acc", "stage_acc", "bwt", "fwt"))
-    ax.set_title(f"{record.method} on {record.model['id']} (95% intervals over items)\n{title}", fontsize=8)
-    fig.colorbar(image, ax=ax, label="score (0-100)")
+    ax.set_title(f"{record.method} on {record.model['id']} (95% intervals over items)\n{title}", fontsize=font)
+    bar = fig.colorbar(image, ax=ax)
+    bar.set_label("score (0-100)", fontsize=font)
+    bar.ax.tick_params(labelsize=font)
     return _save(fig, path)
 
 
@@ -261,7 +283,7 @@ def sharpness(record: RunRecord, path: Path) -> Path | None:
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=DPI)
     _pyplot().close(fig)
     return path
 

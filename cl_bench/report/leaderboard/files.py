@@ -25,8 +25,7 @@ def load_runs(runs_dir: Path, exclude: list[str] = (), include: list[str] = ()) 
     runs_dir = Path(runs_dir)
     if not runs_dir.is_dir():
         raise UserError(f"runs directory {runs_dir} does not exist; pass the folder holding <run-id>/run.json")
-    paths = [p for p in sorted(runs_dir.rglob("run.json")) if not _matches(p.parent.relative_to(runs_dir), exclude)
-             and (not include or _matches(p.parent.relative_to(runs_dir), include))]
+    paths = record_paths(runs_dir, exclude, include)
     if not paths:
         chosen = f" matching {', '.join(include)}" if include else ""
         raise UserError(f"no run.json{chosen} found under {runs_dir}; run `cl-bench run` first or point at the "
@@ -44,6 +43,15 @@ def load_runs(runs_dir: Path, exclude: list[str] = (), include: list[str] = ()) 
             f"no complete run under {runs_dir}; all {len(skipped)} found are unfinished: {', '.join(skipped)}"
         )
     return runs
+
+
+def record_paths(runs_dir: Path, exclude=(), include=()) -> list[Path]:
+    """The run.json files under runs_dir (recursive, sorted) that load_runs reads, before
+    it reads them: run folders matching a glob of `exclude` left out; with `include`,
+    only those matching one of its globs."""
+    runs_dir = Path(runs_dir)
+    return [p for p in sorted(runs_dir.rglob("run.json")) if not _matches(p.parent.relative_to(runs_dir), exclude)
+            and (not include or _matches(p.parent.relative_to(runs_dir), include))]
 
 
 def _matches(folder: Path, globs) -> bool:

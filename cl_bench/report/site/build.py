@@ -72,6 +72,7 @@ class _Site:
         self.env = jinja2.Environment(loader=jinja2.PackageLoader("cl_bench.report.site", "templates"),
                                       autoescape=jinja2.select_autoescape(["html"]),
                                       trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+        self.env.globals["legend"] = views.score_legend()  # legend.html: every matrix's colour scale
 
     def rel(self, record: RunRecord) -> str:
         return Path(record.source).parent.relative_to(self.runs_dir).as_posix()
@@ -135,7 +136,7 @@ def _index(site: _Site, runs: list[RunRecord], selector: dict, sensitivity_pages
         headers, rows = views.leaderboard_rows(df, members, lambda r: site.run_page(r))
         title = f"{site.runs_dir.name}/" if folder == "." else f"{site.runs_dir.name}/{folder}/"
         tables.append({"id": "t-" + ("top" if folder == "." else folder.replace("/", "-")), "title": title,
-                       "headers": headers, "rows": rows,
+                       "headers": headers, "more": [views.secondary(h) for h in headers], "rows": rows,
                        "ranked": [r for r in rows if not r["reference"]],
                        "reference": [r for r in rows if r["reference"]]})
     rows = [r for t in tables for r in t["rows"]]
@@ -205,8 +206,9 @@ def _items_page(site: _Site, record: RunRecord, task: str, rows: list[dict], pag
         cells = []
         for b in stages:
             r = item["cells"].get(b)
+            bg, fg = views.score_colours(None if r is None else r["score"])
             cells.append(None if r is None else {"prediction": r["prediction"], "score": f"{r['score']:.0f}",
-                                                 "value": r["score"], "learned": b == learned})
+                                                 "value": r["score"], "learned": b == learned, "bg": bg, "fg": fg})
         items.append({**item, "cells": cells, "kind": kind, "story": story})
     heads = [("zero-shot" if b == ZERO_SHOT_STAGE else f"after {b + 1}: {labels[b]}") for b in stages]
     site.write(page, "items.html", record=record, task=task, items=items, heads=heads, kinds=kinds,

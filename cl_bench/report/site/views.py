@@ -19,6 +19,14 @@ from cl_bench.report.text import summary_cells
 
 MISSING = leaderboard.MISSING
 SCORE_STEMS = [s.label for s in leaderboard.SCORES]
+# The leaderboard's columns a reader compares first, shown at 1,400 px; the others
+# (model, profile, counts, wall time, ...) behind the index's "every column" switch.
+FIRST = ("Method", *SCORE_STEMS, "Last ≠ base", "BWT ≠ base", "Last ≠ best", "Added")
+
+
+def secondary(header: str) -> bool:
+    """Whether a leaderboard column is shown only on demand (FIRST's are always shown)."""
+    return header.replace(f"≠ {registry.baseline()}", "≠ base") not in FIRST
 
 
 def family(method: str) -> str:
@@ -64,7 +72,7 @@ def leaderboard_rows(df: pd.DataFrame, members: list[list[RunRecord]], page_of) 
         out = []
         for header, text in zip(headers, cells):
             key = header.replace(f"≠ {registry.baseline()}", "≠ base")
-            cell = {"text": str(text), "sort": None, "bar": None}
+            cell = {"text": str(text), "sort": None, "bar": None, "more": secondary(header)}
             if key in SCORE_STEMS:
                 mean = _number(rec[f"{key} mean"])
                 cell["sort"] = mean
@@ -72,6 +80,7 @@ def leaderboard_rows(df: pd.DataFrame, members: list[list[RunRecord]], page_of) 
                 lo, hi = _number(rec[f"{key} lo"]), _number(rec[f"{key} hi"])
                 cell["detail"] = text if mean is not None else ""
                 cell["bar"] = interval_bar(lo, mean, hi, *span[key])
+                cell["interval"] = "" if lo is None or hi is None else f"[{lo:.1f}, {hi:.1f}]"
             elif key == "Method":
                 cell["sort"] = str(text)
             elif sort_of.get(key):
@@ -92,17 +101,33 @@ def leaderboard_rows(df: pd.DataFrame, members: list[list[RunRecord]], page_of) 
 
 # ---- one run ------------------------------------------------------------------
 
-def _colour(value: float | None) -> tuple[str, str]:
-    """(background, text colour) of a 0-100 score on viridis; grey where not evaluated."""
+NOT_EVALUATED = "#eeeeee", "#777777"
+
+
+def score_colours(value: float | None) -> tuple[str, str]:
+    """(background, text colour) of a 0-100 score on the figures' scale (plots.score_rgba);
+    grey where not evaluated."""
     if value is None:
-        return "#eeeeee", "#777777"
-    import matplotlib
+        return NOT_EVALUATED
     from matplotlib.colors import to_hex
 
-    from cl_bench.report.figures.plots import text_colour
+    from cl_bench.report.figures.plots import score_rgba, text_colour
 
-    rgba = matplotlib.colormaps["viridis"](min(max(value / 100, 0.0), 1.0))
+    rgba = score_rgba(value)
     return to_hex(rgba), text_colour(rgba)
+
+
+def score_legend() -> dict:
+    """The colour legend of every HTML matrix: the scale as a CSS gradient, its ticks
+    (position in %, label), and the not-evaluated grey."""
+    from cl_bench.report.figures.plots import SCORE_CMAP, SCORE_RANGE
+
+    lo, hi = SCORE_RANGE
+    stops = [lo + (hi - lo) * k / 10 for k in range(11)]
+    gradient = ", ".join(f"{score_colours(v)[0]} {100 * k / 10:.0f}%" for k, v in enumerate(stops))
+    ticks = [(100 * k / 4, f"{lo + (hi - lo) * k / 4:.0f}") for k in range(5)]
+    return {"gradient": f"linear-gradient(to right, {gradient})", "ticks": ticks, "missing": NOT_EVALUATED[0],
+            "cmap": SCORE_CMAP}
 
 
 def _ci_text(ci) -> str:
@@ -126,7 +151,7 @@ def matrix_rows(record: RunRecord, iv: dict | None) -> list[dict]:
     for label, long, values, ci_row in rows:
         cells = []
         for task, value, ci, count in zip(record.tasks, values, ci_row, items):
-            bg, fg = _colour(value)
+            bg, fg = score_colours(value)
             title = (f"{task} {long}: not evaluated" if value is None else
                      f"{task} {long}: {value:.1f}" + (f", 95% interval {_ci_text(ci)}" if ci else "")
                      + (f" over {count} items" if count else ""))
