@@ -34,7 +34,7 @@ from cl_bench.errors import UserError, did_you_mean
 log = logging.getLogger(__name__)
 
 # Scorer names implemented in cl_bench.metrics.scorers (a test keeps them equal).
-METRICS = ("accuracy", "first_char_accuracy", "rouge_l", "edit_similarity", "sari")
+METRICS = ("accuracy", "exact_match", "first_char_accuracy", "rouge_l", "edit_similarity", "sari")
 SPLITS = ("train", "eval", "test")  # the scored split is `test`, or `eval` for model selection
 SUFFIXES = (".json", ".jsonl")
 DEFAULT = "trace"  # a run's benchmark where its config names none, and a record's written before records named it
