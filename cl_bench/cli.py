@@ -1,4 +1,5 @@
-"""`cl-bench`: run | campaign | show | compare | claims | list | leaderboard | site | analyze | score | params | perf.
+"""`cl-bench`: run | campaign | show | compare | claims | list | data | leaderboard | site | analyze | score | params |
+perf.
 
 Bad input raises UserError anywhere below; here it becomes one line on stderr
 and exit code 2 (a traceback only with --debug).
@@ -143,6 +144,8 @@ def cmd_claims(args) -> int:
 def cmd_list(args) -> int:
     from cl_bench import registry
 
+    if args.benchmarks:
+        return _list_benchmarks(args.verbose)
     methods = registry.available()
     width = max((len(n) for n in methods), default=10)
     for name, cls in sorted(methods.items()):
@@ -161,6 +164,36 @@ def cmd_list(args) -> int:
     for b in registry.broken():
         print(f"{'(broken)':<{width}}  {b.source}: {b.error}")
     return 0
+
+
+def _list_benchmarks(verbose: bool) -> int:
+    from cl_bench import registry
+
+    found = registry.benchmarks()
+    width = max((len(n) for n in found), default=10)
+    for name, bench in found.items():
+        default = "  [default]" if name == registry.DEFAULT_BENCHMARK else ""
+        print(f"{name:<{width}}  {bench.description} ({len(bench.cl_tasks)} tasks){default}")
+        if verbose:
+            print(f"{'':<{width}}    tasks: {', '.join(bench.cl_tasks)}")
+            for order, tasks in bench.orders.items():
+                print(f"{'':<{width}}    order {order}{' (default)' if order == bench.default_order else ''}: "
+                      f"{','.join(tasks)}")
+            print(f"{'':<{width}}    source: {bench.reference}")
+    for b in registry.broken_benchmarks():
+        print(f"{'(broken)':<{width}}  {b.source}: {b.error}")
+    return 0
+
+
+def cmd_data(args) -> int:
+    from cl_bench.benchmarks.folder import check
+
+    faults = check(args.folder)
+    for fault in faults:
+        print(fault)
+    if not faults:
+        print(f"{args.folder}: no faults")
+    return EXIT_USAGE if faults else 0
 
 
 def _support(cls) -> str:
@@ -216,7 +249,7 @@ def cmd_analyze(args) -> int:
 def cmd_score(args) -> int:
     from cl_bench.metrics.predictions import score_file
 
-    print(json.dumps(score_file(args.predictions, args.task, args.stage)))
+    print(json.dumps(score_file(args.predictions, args.task, args.stage, args.benchmark)))
     return 0
 
 
@@ -265,7 +298,7 @@ def cmd_tune(args) -> int:
 
 COMMANDS = {"run": cmd_run, "campaign": cmd_campaign, "tune": cmd_tune, "show": cmd_show, "compare": cmd_compare,
             "claims": cmd_claims,
-            "list": cmd_list, "leaderboard": cmd_leaderboard, "site": cmd_site,
+            "list": cmd_list, "data": cmd_data, "leaderboard": cmd_leaderboard, "site": cmd_site,
             "analyze": cmd_analyze, "score": cmd_score, "params": cmd_params, "perf": cmd_perf}
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-DESCRIPTION = ("`cl-bench`: run | campaign | tune | show | compare | claims | list | leaderboard | site | analyze | "
-               "score | params | perf.")
+DESCRIPTION = ("`cl-bench`: run | campaign | tune | show | compare | claims | list | data | leaderboard | site | "
+               "analyze | score | params | perf.")
 
 
 def _kv(text: str) -> tuple[str, str]:
@@ -35,7 +35,7 @@ def _stage_number(lowest: int):
 
 
 def _add_run(sub) -> None:
-    p = sub.add_parser("run", help="train a method over a TRACE task sequence and score it",
+    p = sub.add_parser("run", help="train a method over a task sequence (TRACE's by default) and score it",
                        description="Train a continual-learning method task after task, evaluate "
                                    "after each stage, and write <output-dir>/<run-id>/run.json.")
     p.add_argument("--method", help="method name (see `cl-bench list`); default: the baseline, the method that "
@@ -44,8 +44,12 @@ def _add_run(sub) -> None:
     p.add_argument("--profile", help="smoke | cpu | cpu-long | paper (default: the config file's, else cpu)")
     p.add_argument("--config", type=Path, help="YAML file of config fields (profile <- file <- flags)")
     p.add_argument("--seed", type=int)
-    p.add_argument("--data-dir", help="TRACE data root (default: $CL_BENCH_DATA, then conventional places)")
-    p.add_argument("--order", help="paper6 | trace8 | comma-separated task names")
+    p.add_argument("--benchmark", help="trace (default) | long-sequence | an outside one (`cl-bench list "
+                                        "--benchmarks`) | a folder of your own tasks holding benchmark.yaml")
+    p.add_argument("--data-dir", help="the benchmark's data folder (TRACE: default $CL_BENCH_DATA, then "
+                                      "conventional places)")
+    p.add_argument("--order", help="a named order of the benchmark (TRACE: paper6 | trace8) | comma-separated "
+                                   "task names")
     p.add_argument("--n-train", type=int, help="training examples per task")
     p.add_argument("--n-test", type=int, help="test examples per task")
     p.add_argument("--output-dir", help="where run folders go (default runs/)")
@@ -75,7 +79,7 @@ def _add_run(sub) -> None:
 
 
 # Flags of `run` that set config fields; --resume keeps the recorded config and refuses them.
-RUN_CONFIG_FLAGS = ("method", "model", "profile", "config", "seed", "data_dir", "order", "n_train", "n_test",
+RUN_CONFIG_FLAGS = ("method", "model", "profile", "config", "seed", "benchmark", "data_dir", "order", "n_train", "n_test",
                     "output_dir", "run_id", "method_arg", "set", "eval_all", "backend", "zero", "log", "tuned")
 
 
@@ -87,7 +91,7 @@ def run_overrides(args) -> dict:
     for key in ("method", "model", "profile", "seed", "output_dir", "run_id", "backend", "log"):
         if getattr(args, key) is not None:
             raw[key] = getattr(args, key)
-    data = {key: getattr(args, key) for key in ("data_dir", "order", "n_train", "n_test")
+    data = {key: getattr(args, key) for key in ("benchmark", "data_dir", "order", "n_train", "n_test")
             if getattr(args, key) is not None}
     if data:
         raw["data"] = data
@@ -135,8 +139,18 @@ def _add_claims(sub) -> None:
 
 
 def _add_list(sub) -> None:
-    p = sub.add_parser("list", help="list methods with one-line descriptions")
-    p.add_argument("--verbose", "-v", action="store_true", help="also show each method's arguments")
+    p = sub.add_parser("list", help="list methods (or benchmarks) with one-line descriptions")
+    p.add_argument("--verbose", "-v", action="store_true", help="also show each method's arguments, each "
+                                                                "benchmark's tasks and orders")
+    p.add_argument("--benchmarks", action="store_true", help="list the benchmarks instead of the methods")
+
+
+def _add_data(sub) -> None:
+    p = sub.add_parser("data", help="check a folder of your own tasks (benchmark.yaml and one folder per task)",
+                       description="Lists every fault of the folder, one line each, naming the file, the item "
+                                   "and the fix; exit 2 where there is any (docs/benchmarks.md).")
+    p.add_argument("action", choices=["check"])
+    p.add_argument("folder", type=Path, metavar="DIR")
 
 
 def _add_run_filters(p) -> None:
@@ -198,7 +212,8 @@ def _add_analyze(sub) -> None:
 
 def _add_score(sub) -> None:
     p = sub.add_parser("score", help="score predictions made elsewhere")
-    p.add_argument("--task", required=True, help="TRACE task name, e.g. 20Minuten")
+    p.add_argument("--task", required=True, help="task name, e.g. 20Minuten")
+    p.add_argument("--benchmark", help="the task's benchmark (default trace) or a folder holding benchmark.yaml")
     p.add_argument("--predictions", type=Path, required=True,
                    help='JSONL, one {"prompt", "prediction", "answer"} per line')
     p.add_argument("--stage", type=_stage_number(0), metavar="N",
@@ -315,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compare(sub)
     _add_claims(sub)
     _add_list(sub)
+    _add_data(sub)
     _add_leaderboard(sub)
     _add_site(sub)
     _add_analyze(sub)

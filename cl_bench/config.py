@@ -21,11 +21,11 @@ from cl_bench.config_fields import (DataConfig, DeepSpeedConfig, EvalConfig, Gen
                                     RunConfig, TrainConfig, check_per_task, field_hint, field_types)
 from cl_bench.config_values import coerce, parse_value
 from cl_bench.errors import UserError, did_you_mean
-from cl_bench.profiles import PROFILES
+from cl_bench.profiles import PROFILES, split_own
 
 __all__ = ["DataConfig", "DeepSpeedConfig", "EvalConfig", "GeneralConfig", "PROFILES", "ReplayConfig",
            "RunConfig", "TrainConfig", "build", "check_per_task", "coerce", "field_hint", "load_yaml", "merge",
-           "parse_value", "resolve", "set_dotted"]
+           "parse_value", "profile_fields", "resolve", "set_dotted"]
 
 
 def _unknown(where: str, key: str, valid: list[str]) -> UserError:
@@ -127,6 +127,22 @@ def set_dotted(raw: dict, dotted: str, text: str) -> None:
     node[parts[-1]] = text
 
 
+def _benchmark_of(*raws: dict) -> str:
+    """data.benchmark as the flags, else the file, give it (else the default)."""
+    for raw in raws[::-1]:
+        data = raw.get("data")
+        if isinstance(data, dict) and data.get("benchmark") is not None:
+            return str(data["benchmark"])
+    return registry.DEFAULT_BENCHMARK
+
+
+def profile_fields(profile: str, benchmark: str) -> dict[str, Any]:
+    """Profile `profile`'s fields for a run on `benchmark`: those it shares with every
+    benchmark, and the benchmark's own for it (cl_bench/profiles.py, OWN)."""
+    shared, _ = split_own(PROFILES[profile])
+    return merge(shared, registry.get_benchmark(benchmark).profiles.get(profile, {}))
+
+
 def resolve(profile: str, config_file: Path | None, overrides: dict[str, Any]) -> RunConfig:
     """profile defaults <- YAML file <- CLI overrides, validated into a RunConfig."""
     file_raw = load_yaml(config_file) if config_file else {}
@@ -136,7 +152,7 @@ def resolve(profile: str, config_file: Path | None, overrides: dict[str, Any]) -
     profile = overrides.get("profile") or file_raw.get("profile") or profile
     if profile not in PROFILES:
         raise UserError(f"unknown profile '{profile}'; {did_you_mean(profile, PROFILES)}available: {', '.join(PROFILES)}")
-    raw = merge({"profile": profile, **PROFILES[profile]}, file_raw)
+    raw = merge({"profile": profile, **profile_fields(profile, _benchmark_of(file_raw, overrides))}, file_raw)
     raw = merge(raw, overrides)
     if str(raw.get("tuned")).lower() in ("true", "yes", "on", "1"):  # --tuned, `tuned: true`, --set tuned=true
         raw["tuned"] = True

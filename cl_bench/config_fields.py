@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from cl_bench.benchmark import DEFAULT as DEFAULT_BENCHMARK
 from cl_bench.errors import UserError, did_you_mean
 from cl_bench.eval.vllm_generation import GENERATORS
 from cl_bench.run.metric_log import KINDS as LOG_KINDS
@@ -25,8 +26,10 @@ from cl_bench.run.schedule import SCHEDULES
 
 @dataclass
 class DataConfig:
-    data_dir: str | None = None  # None: --data-dir, $CL_BENCH_DATA, then conventional places
-    order: str | list[str] = "paper6"  # named order or a list of task names
+    benchmark: str = DEFAULT_BENCHMARK  # a registered benchmark (`cl-bench list --benchmarks`) or a folder holding
+    #                          benchmark.yaml (cl_bench/benchmarks/folder.py); records before it: trace
+    data_dir: str | None = None  # None: the benchmark's (TRACE: $CL_BENCH_DATA, then conventional places)
+    order: str | list[str] | None = None  # named order or a list of task names; None: the benchmark's default
     n_train: int | None = None  # training examples per task (None: all)
     n_test: int | None = None  # test examples per task (None: all)
     n_train_per_task: dict[str, int] = field(default_factory=dict)  # overrides of n_train by task name
@@ -219,16 +222,16 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-def check_per_task(config: RunConfig, tasks: list[str]) -> None:
-    """The per-task mappings name TRACE tasks (`tasks`: every task name; a profile's
-    mapping may name tasks a shorter order leaves out) and hold counts >= 1;
-    checked before any data or model loads."""
+def check_per_task(config: RunConfig, tasks: list[str], title: str) -> None:
+    """The per-task mappings name tasks of the run's benchmark (`title`; `tasks`: every
+    task name; a profile's mapping may name tasks a shorter order leaves out) and hold
+    counts >= 1; checked before any data or model loads."""
     for where, mapping in (("train.epochs_per_task", config.train.epochs_per_task),
                            ("data.n_train_per_task", config.data.n_train_per_task),
                            ("data.n_test_per_task", config.data.n_test_per_task)):
         for task, value in mapping.items():
             if task not in tasks:
-                raise UserError(f"{where}: '{task}' is not a TRACE task; {did_you_mean(str(task), tasks)}"
+                raise UserError(f"{where}: '{task}' is not a {title} task; {did_you_mean(str(task), tasks)}"
                                 f"tasks: {', '.join(tasks)}")
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UserError(f"{where}.{task}={value!r} must be a whole number >= 1")

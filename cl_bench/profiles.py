@@ -2,10 +2,18 @@
 a run starts from (`--profile`; cl_bench/config.py merges profile <- YAML file <-
 flags). Sizes of `cpu` were measured on 2 CPU cores so that SeqFT over paper6 on
 SmolLM2 takes about 20 minutes (docs/protocol.md, "Profiles").
+
+The fields in OWN belong to the benchmark a run trains on (`data.benchmark`): they
+name its tasks, or read data only TRACE has (Lima). PROFILES holds TRACE's; another
+benchmark declares its own per profile (Benchmark.profiles, cl_bench/benchmark.py)
+and has the fields' defaults where it declares none.
 """
 from __future__ import annotations
 
 from typing import Any
+
+OWN = frozenset({"data.order", "data.n_train_per_task", "data.n_test_per_task", "train.epochs_per_task",
+                 "general.lima"})
 
 PROFILES: dict[str, dict[str, Any]] = {
     "smoke": {
@@ -61,3 +69,18 @@ PROFILES: dict[str, dict[str, Any]] = {
 # task allow at most one a step. bilevel-cka runs it with min_mask_updates=35: 36-48
 # updates a task (scripts/campaigns/issue15.txt).
 PROFILES["cpu-long"] = {**PROFILES["cpu"], "train": {**PROFILES["cpu"]["train"], "epochs": 3}}
+
+
+def split_own(fields: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(shared, own): a profile's fields outside OWN and in it, nested as in a config file."""
+    shared: dict[str, Any] = {}
+    own: dict[str, Any] = {}
+    for section, value in fields.items():
+        if not isinstance(value, dict):
+            shared[section] = value
+            continue
+        shared[section] = {k: v for k, v in value.items() if f"{section}.{k}" not in OWN}
+        mine = {k: v for k, v in value.items() if f"{section}.{k}" in OWN}
+        if mine:
+            own[section] = mine
+    return shared, own

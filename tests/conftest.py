@@ -29,13 +29,20 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def _registry_restored():
-    """Every test ends with the method registry as it found it: a method a test registers
-    (or a plugin a test's discovery found) does not leak into the next test. Built-in
-    methods a test imported stay: they register on import, which Python does once."""
+    """Every test ends with the method and benchmark registries as it found them: a method
+    or benchmark a test registers (or a plugin a test's discovery found) does not leak into
+    the next test. Built-in ones a test imported stay: they register on import, which
+    Python does once."""
     from cl_bench import registry
 
     methods, broken, discovered = dict(registry._METHODS), dict(registry._BROKEN), registry._DISCOVERED
+    benchmarks = dict(registry._BENCHMARKS), dict(registry._BENCHMARKS_BROKEN), registry._BENCHMARKS_DISCOVERED
     yield
+    for now, before in zip((registry._BENCHMARKS, registry._BENCHMARKS_BROKEN), benchmarks):
+        builtin = {k: b for k, b in now.items() if k not in before and type(b).__module__.startswith("cl_bench.benchmarks")}
+        now.clear()
+        now.update({**before, **builtin})
+    registry._BENCHMARKS_DISCOVERED = benchmarks[2]
     builtin = {k: c for k, c in registry._METHODS.items()
                if k not in methods and c.__module__.startswith("cl_bench.methods.")}
     registry._METHODS.clear()

@@ -1,4 +1,7 @@
-"""TRACE (Wang et al., 2023, arXiv:2310.06762): task specs, orders and data loading."""
+"""TRACE (Wang et al., 2023, arXiv:2310.06762): task specs, orders and data loading;
+the default benchmark (registered as `trace`)."""
+
+from cl_bench.registry import register_benchmark
 
 from .loader import (
     Example,
@@ -9,7 +12,9 @@ from .loader import (
     load_task,
     resolve_data_dir,
 )
-from .tasks import CL_TASKS, METRICS, ORDERS, TASKS, TaskSpec, get_task, resolve_order
+from .tasks import CL_TASKS, METRICS, ORDERS, TASKS, TRACE, TaskSpec, get_task, resolve_order
+
+register_benchmark(TRACE)
 
 __all__ = [
     "CL_TASKS",
@@ -17,6 +22,7 @@ __all__ = [
     "METRICS",
     "ORDERS",
     "TASKS",
+    "TRACE",
     "TaskData",
     "TaskSpec",
     "file_sha256",

@@ -3,34 +3,10 @@ and the named task orders (docs/PROTOCOL.md, "Data" and "Decoding and scoring").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from cl_bench.benchmark import METRICS, Benchmark, TaskSpec
+from cl_bench.profiles import PROFILES, split_own
 
-from cl_bench.errors import UserError, did_you_mean
-
-# Scorer names implemented in cl_bench.metrics.scorers.
-METRICS = ("accuracy", "first_char_accuracy", "rouge_l", "edit_similarity", "sari")
-
-
-@dataclass(frozen=True)
-class TaskSpec:
-    """One TRACE task. `metric` is the score reported for it (0-100);
-    `extra_metrics` are logged beside it but never enter the R matrix."""
-
-    name: str
-    metric: str
-    max_new_tokens: int  # generation budget; greedy decoding stops earlier at EOS
-    description: str  # one line
-    language: str
-    extra_metrics: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.metric not in METRICS:
-            raise ValueError(
-                f"task {self.name}: metric {self.metric!r} not in {list(METRICS)}"
-            )
-        if self.max_new_tokens < 1:
-            raise ValueError(f"task {self.name}: max_new_tokens must be >= 1")
-
+__all__ = ["CL_TASKS", "METRICS", "ORDERS", "TASKS", "TRACE", "TaskSpec", "get_task", "resolve_order"]
 
 # max_new_tokens: answer lengths were measured in characters on the 500-example
 # release (../shared/trace/LLM-CL-Benchmark_500, train+eval+test). Budgets sit
@@ -146,59 +122,15 @@ ORDERS: dict[str, list[str]] = {
 }
 
 
-def get_task(name: str) -> TaskSpec:
-    """The TaskSpec called `name` (exact spelling), or a UserError with suggestions."""
-    if name in TASKS:
-        return TASKS[name]
-    raise UserError(
-        f"unknown TRACE task {name!r}; {did_you_mean(name, TASKS)}"
-        f"valid tasks: {', '.join(TASKS)}"
-    )
-
-
-def resolve_order(order: str | list[str]) -> list[str]:
-    """Task names in training order.
-
-    `order` is a named order ("paper6", "trace8"), a list of task names, or a
-    comma-separated string of them ("FOMC,C-STANCE"). Names match exactly."""
-    if isinstance(order, str):
-        if order in ORDERS:
-            return list(ORDERS[order])
-        names = [part.strip() for part in order.split(",")]
-        # A single unknown word is more likely a misspelt order than a task.
-        if len(names) == 1 and names[0] not in CL_TASKS:
-            hint = did_you_mean(names[0], list(ORDERS) + list(CL_TASKS))
-            raise UserError(
-                f"unknown task order {order!r}; {hint}named orders: {', '.join(ORDERS)}; "
-                f"or give task names separated by commas from: {', '.join(CL_TASKS)}"
-            )
-    else:
-        names = list(order)
-
-    if not names or any(n == "" for n in names):
-        raise UserError(
-            f"task order {order!r} has an empty entry; give task names from: {', '.join(CL_TASKS)}"
-        )
-    for name in names:
-        if not isinstance(name, str):
-            raise UserError(
-                f"task order {order!r}: entry {name!r} is a {type(name).__name__}, "
-                f"expected a task name from: {', '.join(CL_TASKS)}"
-            )
-        if name in TASKS and name not in CL_TASKS:
-            raise UserError(
-                f"task order {order!r}: {name} is replay-only data, not a continual-learning "
-                f"task; remove it (valid tasks: {', '.join(CL_TASKS)})"
-            )
-        if name not in CL_TASKS:
-            raise UserError(
-                f"task order {order!r}: unknown task {name!r}; {did_you_mean(name, CL_TASKS)}"
-                f"valid tasks: {', '.join(CL_TASKS)}"
-            )
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise UserError(
-            f"task order {order!r} lists {', '.join(dupes)} more than once; "
-            f"each task may appear once"
-        )
-    return names
+TRACE = Benchmark(
+    name="trace", title="TRACE",
+    description="TRACE (Wang et al., 2023): classification, summarisation, code, maths, simplification; "
+                "each task its own metric",
+    tasks=TASKS, orders=ORDERS, default_order="paper6", cl_tasks=CL_TASKS,
+    # PROFILES's fields that name TRACE's tasks (cl_bench/profiles.py, OWN)
+    profiles={name: split_own(fields)[1] for name, fields in PROFILES.items()},
+    env_var="CL_BENCH_DATA", default_dirs=("data/TRACE", "../shared/trace/LLM-CL-Benchmark_500"),
+    reference="arXiv:2310.06762; docs/protocol.md, \"Data\"",
+)
+get_task = TRACE.get_task
+resolve_order = TRACE.resolve_order

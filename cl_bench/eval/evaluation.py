@@ -15,7 +15,7 @@ from cl_bench.metrics.answer_form import majority_answer
 
 # Tasks whose answers are labels (exact match or first character): these get a
 # majority-class level beside their scores.
-LABEL_METRICS = ("accuracy", "first_char_accuracy")
+LABEL_METRICS = ("accuracy", "exact_match", "first_char_accuracy")
 
 
 @dataclass

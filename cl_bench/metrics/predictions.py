@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cl_bench.benchmarks.trace import get_task
+from cl_bench import registry
 from cl_bench.errors import UserError
 from cl_bench.metrics import scorers
 from cl_bench.record.io import ZERO_SHOT_STAGE, json_lines, stage_index, stage_number
 
 
-def score_file(path: Path, task: str, stage: int | None) -> dict:
-    """{"task", "metric", "score", "n"} of the predictions in `path` for `task` (at `stage`,
-    numbered as `show` numbers it: 1..T, 0 the zero-shot row; record/io.stage_number)."""
-    spec = get_task(task)
+def score_file(path: Path, task: str, stage: int | None, benchmark: str | None = None) -> dict:
+    """{"task", "metric", "score", "n"} of the predictions in `path` for `task` of
+    `benchmark` (None: the default) at `stage`, numbered as `show` numbers it: 1..T, 0 the
+    zero-shot row (record/io.stage_number)."""
+    spec = registry.get_benchmark(benchmark).get_task(task)
     rows = read_predictions(path, task, stage)
     preds = [r["prediction"].strip() for r in rows]
     score = scorers.score(spec.metric, preds, [r["answer"] for r in rows], [r["prompt"] for r in rows])

@@ -16,6 +16,7 @@ Deviations from TRACE (each also noted where it applies):
 """
 
 import re
+import string
 from statistics import fmean
 from typing import Callable
 
@@ -50,6 +51,16 @@ def _exact(pred: str, ans: str, prompt: str | None) -> float:
     return 100.0 if pred == ans else 0.0
 
 
+def normalize_label(text: str) -> str:
+    """O-LoRA's answer normalisation (its src/compute_metrics.py, normalize_answer):
+    lower-cased, ASCII punctuation removed, whitespace runs made one space."""
+    return " ".join("".join(c for c in text.lower() if c not in string.punctuation).split())
+
+
+def _exact_normalized(pred: str, ans: str, prompt: str | None) -> float:
+    return 100.0 if normalize_label(pred) == normalize_label(ans) else 0.0
+
+
 def _first_char(pred: str, ans: str, prompt: str | None) -> float:
     return 100.0 if pred[0] == ans[0] else 0.0
 
@@ -74,6 +85,7 @@ def _sari(pred: str, ans: str, prompt: str | None) -> float:
 
 _ITEM_SCORERS: dict[str, ItemScorer] = {
     "accuracy": _exact,
+    "exact_match": _exact_normalized,
     "first_char_accuracy": _first_char,
     "rouge_l": _rouge_l,
     "edit_similarity": _edit_similarity,
@@ -107,6 +119,13 @@ def _item_scores(
 def accuracy(predictions: list[str], answers: list[str]) -> float:
     """Exact-match accuracy: 100 * mean_i [pred_i.strip() == ans_i.strip()]."""
     return fmean(_item_scores(_exact, predictions, answers, None))
+
+
+def exact_match(predictions: list[str], answers: list[str]) -> float:
+    """The long-sequence benchmark's score, as O-LoRA's release computes it: 100 * mean_i
+    [normalize_label(pred_i) == normalize_label(ans_i)] (an answer that is empty after
+    stripping scores 0, the shared rule above)."""
+    return fmean(_item_scores(_exact_normalized, predictions, answers, None))
 
 
 def first_char_accuracy(predictions: list[str], answers: list[str]) -> float:
@@ -178,6 +197,7 @@ def codebleu_score(predictions: list[str], answers: list[str]) -> float:
 
 METRICS: dict[str, Callable[..., float]] = {
     "accuracy": accuracy,
+    "exact_match": exact_match,
     "first_char_accuracy": first_char_accuracy,
     "rouge_l": rouge_l,
     "edit_similarity": edit_similarity,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cl_bench.benchmark import DEFAULT as DEFAULT_BENCHMARK
 from cl_bench.record import shape as record_shape
 from cl_bench.errors import UserError
 
@@ -228,7 +229,7 @@ class RunRecord:
     method, method_args: the method's registered name and its resolved arguments;
         reference: whether it is a reference row (not ranked); uses_replay.
     model: models.loading's info (id, source, architecture, n_params, sha256).
-    benchmark ("trace"), tasks: the task names in order; stages: StageRecord per
+    benchmark: its name (a record without one: trace, the only one then), tasks: the task names in order; stages: StageRecord per
         stage of the plan; profile; seed.
     data: per task, the provenance of its train and test subsets (indices, sha256).
     matrix: R[b][j], the score of task j after stage b (None: not evaluated);
@@ -261,7 +262,7 @@ class RunRecord:
     reference: bool = False
     uses_replay: bool = False
     model: dict[str, Any] = field(default_factory=dict)
-    benchmark: str | None = None
+    benchmark: str = DEFAULT_BENCHMARK
     tasks: list[str]
     stages: list[StageRecord] = field(default_factory=list)
     profile: str | None = None
@@ -338,7 +339,7 @@ class RunRecord:
             command=g(data, "command", str), method=g(data, "method", str, required=True),
             method_args=g(data, "method_args", dict, dict), reference=g(data, "reference", bool, False),
             uses_replay=g(data, "uses_replay", bool, False), model=g(data, "model", dict, dict),
-            benchmark=g(data, "benchmark", str), tasks=tasks, stages=stages, profile=g(data, "profile", str),
+            benchmark=g(data, "benchmark", str, DEFAULT_BENCHMARK), tasks=tasks, stages=stages, profile=g(data, "profile", str),
             seed=g(data, "seed", int), data=g(data, "data", dict, dict), matrix=g(data, "matrix", list, list),
             zero_shot=g(data, "zero_shot", list), majority=g(data, "majority", dict),
             task_metrics=g(data, "task_metrics", list, list), summary=g(data, "summary", dict), params=params,

@@ -45,6 +45,8 @@ def differences(a: RunRecord, b: RunRecord, items: bool = True) -> list[str]:
     """What makes records `a` and `b` incomparable item by item: tasks, the test
     items or training subset of a task (unless `items` is False: runs of other
     seeds), or a budget field; [] when none."""
+    if a.benchmark != b.benchmark:
+        return [f"benchmark: {a.benchmark} vs {b.benchmark}"]
     if a.tasks != b.tasks:
         return [f"tasks: {','.join(a.tasks)} vs {','.join(b.tasks)}"]
     out = []

@@ -14,8 +14,6 @@ from typing import Any
 
 from cl_bench import registry
 from cl_bench.backends import check_support
-from cl_bench.benchmarks.trace import resolve_order
-from cl_bench.benchmarks.trace.tasks import CL_TASKS
 from cl_bench.config import RunConfig, check_per_task
 from cl_bench.errors import UserError, did_you_mean
 
@@ -31,8 +29,8 @@ class Checked:
 
 
 def check_config(config: RunConfig) -> Checked:
-    """The method, its arguments and backend, the order, the per-task fields, the
-    model's name. Fills the config's lr schedule from the method's where the config
+    """The method, its arguments and backend, the benchmark and its order, the
+    per-task fields, the model's name. Fills the config's lr schedule from the method's where the config
     leaves it unset (the schedule the run records)."""
     method_cls = _method_class(config.method)
     check_support(method_cls, config)
@@ -44,8 +42,9 @@ def check_config(config: RunConfig) -> Checked:
     for key, lr in dataclasses.asdict(method_args).items():  # lr, and any other learning rate (*_lr)
         if (key == "lr" or key.endswith("_lr")) and isinstance(lr, float) and not (math.isfinite(lr) and lr > 0):
             raise UserError(f"method_args.{key}={lr} must be a finite number > 0, e.g. --method-arg {key}=3e-4")
-    resolve_order(config.data.order)
-    check_per_task(config, list(CL_TASKS))
+    benchmark = registry.get_benchmark(config.data.benchmark)
+    benchmark.resolve_order(config.data.order)
+    check_per_task(config, list(benchmark.cl_tasks), benchmark.title)
     _check_model(config.model)
     return Checked(config, method_cls, method_args)
 

@@ -26,7 +26,8 @@ from cl_bench.eval.probes.representation import RepresentationProbe
 from cl_bench.eval.probes.routing import RoutingProbe
 from cl_bench.backends import Backend
 from cl_bench.backends import create as create_backend
-from cl_bench.benchmarks.trace import load_benchmark, load_split, resolve_data_dir
+from cl_bench import registry
+from cl_bench.benchmarks.trace import load_split
 from cl_bench.config import RunConfig
 from cl_bench.data.encode import Encoder
 from cl_bench.errors import UserError
@@ -55,7 +56,9 @@ def prepare(checked: Checked, resuming: Resuming | None = None, progress: bool =
     t_start = time.perf_counter()
     command = command or shlex.join(["cl-bench", *sys.argv[1:]])
     config = checked.config
-    data_dir = resolve_data_dir(config.data.data_dir)
+    benchmark = registry.get_benchmark(config.data.benchmark)
+    data_dir = benchmark.resolve_data_dir(config.data.data_dir)
+    benchmark.present_order(data_dir, config.data.order)  # a task the folder lacks stops here, no folder claimed
     g = config.general  # lm-eval's tasks built offline: a task without local data stops the run here
     general_tasks = GeneralTasks.prepare(g.tasks, g.limit, g.every_stage, config.eval.batch_size) if g.tasks else None
     backend = create_backend(config)  # deepspeed: joins the other ranks
@@ -87,8 +90,9 @@ def _prepare_locked(checked, record, restart, run_dir, data_dir, backend, progre
     new run)."""
     config = checked.config
     d = config.data
-    tasks = load_benchmark(data_dir, d.order, d.n_train, d.n_test, config.seed, d.n_train_per_task,
-                           d.n_test_per_task, d.test_split)
+    benchmark = registry.get_benchmark(d.benchmark)
+    tasks = benchmark.load_tasks(data_dir, d.order, d.n_train, d.n_test, config.seed, d.n_train_per_task,
+                                 d.n_test_per_task, d.test_split)
     _check_answers(tasks, data_dir)
     if record is not None:
         _check_same_tasks(record, tasks, run_dir / results.RUN_FILE)
@@ -139,7 +143,7 @@ def new_record(config: RunConfig, method: Method, method_args, model_info: dict[
     return RunRecord(
         run_id=config.run_id, status="running", command=command, method=method.name,
         method_args=dataclasses.asdict(method_args), reference=method.reference, uses_replay=method.uses_replay,
-        model=model_info, benchmark="trace", tasks=[t.name for t in tasks],
+        model=model_info, benchmark=registry.get_benchmark(config.data.benchmark).name, tasks=[t.name for t in tasks],
         stages=[StageRecord(s.index, s.label, [t.name for t in s.tasks]) for s in stages],
         profile=config.profile, seed=config.seed, data={t.name: t.provenance for t in tasks},
         matrix=[[None] * len(tasks) for _ in stages],

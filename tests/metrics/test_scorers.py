@@ -154,7 +154,7 @@ def test_score_is_mean_of_per_item_and_matches_function(metric):
 
 
 def test_registry_names():
-    assert set(METRICS) == {"accuracy", "first_char_accuracy", "rouge_l", "edit_similarity", "sari"}
+    assert set(METRICS) == {"accuracy", "exact_match", "first_char_accuracy", "rouge_l", "edit_similarity", "sari"}
     assert EXTRA_METRICS == {"edit_similarity": {"codebleu": codebleu_score}}
 
 

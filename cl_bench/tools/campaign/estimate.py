@@ -240,18 +240,18 @@ class Work:
 
 def planned_work(config, method_args) -> Work:
     """What `config` trains and scores, from the data it would load (no model)."""
-    from cl_bench.benchmarks.trace import load_benchmark, resolve_data_dir
     from cl_bench.data.encode import phase_steps
     from cl_bench.eval.evaluation import max_new_tokens
     from cl_bench.method import MethodContext
 
     d = config.data
-    quiet = logging.getLogger("cl_bench.benchmarks.trace.loader")
+    benchmark = registry.get_benchmark(d.benchmark)
+    quiet = logging.getLogger("cl_bench.benchmark")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # the sizes it would log belong to the run, not to its estimate
     try:
-        tasks = load_benchmark(resolve_data_dir(d.data_dir), d.order, d.n_train, d.n_test, config.seed,
-                               d.n_train_per_task, d.n_test_per_task, d.test_split)
+        tasks = benchmark.load_tasks(benchmark.resolve_data_dir(d.data_dir), d.order, d.n_train, d.n_test,
+                                     config.seed, d.n_train_per_task, d.n_test_per_task, d.test_split)
     finally:
         quiet.setLevel(level)
     cls = registry.get(config.method)

@@ -49,6 +49,7 @@ def _scored(config: dict, method: str) -> dict:
     flat["train.lr_schedule"] = flat.get("train.lr_schedule") or kind
     flat["train.warmup_ratio"] = warmup if flat.get("train.warmup_ratio") is None else flat["train.warmup_ratio"]
     flat["data.test_split"] = flat.get("data.test_split") or "test"
+    flat["data.benchmark"] = flat.get("data.benchmark") or registry.DEFAULT_BENCHMARK  # records before it: trace
     flat["eval.generator"] = flat.get("eval.generator") or "hf"  # records from before eval.generator: hf
     return flat
 
