@@ -43,6 +43,7 @@ from cl_bench.errors import UserError
 from cl_bench.method import Method, Phase, Stage, lm_loss
 from cl_bench.models.expert_init import slice_experts
 from cl_bench.models.moe import UpcycledMoE, decoder_layers, group_sizes, rebuild
+from cl_bench.models.reach import ExpertReach
 from cl_bench.models.upcycling import (MoEArgs, as_moe, grown_param_report, lm_and_balancing, moe_settings,
                                        train_routers)
 from cl_bench.registry import register_method
@@ -69,6 +70,9 @@ class BranchTrainMix(Method):
 
     def setup(self, model: nn.Module) -> None:
         self.model = model  # dense until task 0's mix; experts join at the mix phase, from the branch
+        # an expert group no token of a step reached takes no optimiser step, on either backend
+        self._reach = ExpertReach(model, self.ctx)
+        self.idle_units, self.idle_parameters = self._reach.units, self._reach.idle
         self._phase = MIX
         self._set_trainable()
 

@@ -26,6 +26,7 @@ from cl_bench.errors import UserError
 from cl_bench.method import Method, Stage
 from cl_bench.models.expert_init import ExpertInit, drop_upcycle_init
 from cl_bench.models.moe import group_sizes, rebuild, upcycle_model
+from cl_bench.models.reach import ExpertReach
 from cl_bench.models.upcycling import (MoEArgs, grow_groups, grown_param_report, lm_and_balancing, moe_settings,
                                        train_newest_group)
 from cl_bench.registry import register_method
@@ -52,6 +53,9 @@ class DropUpcycle(Method):
 
     def setup(self, model: nn.Module) -> None:
         self.model = model
+        # an expert group no token of a step reached takes no optimiser step, on either backend
+        self._reach = ExpertReach(model, self.ctx)
+        self.idle_units, self.idle_parameters = self._reach.units, self._reach.idle
         upcycle_model(model, init=self.expert_init(), router_std=self.args.router_std, **moe_settings(self.args))
         train_newest_group(model, self.args.train_shared)
 

@@ -43,6 +43,9 @@ class TorchBackend(Backend):
 
         def update(parts: dict[str, float], idle: list[torch.nn.Parameter]) -> None:
             for p in idle:  # AdamW skips a parameter without a gradient (before_step may have made one)
+                if p.grad is not None and bool(p.grad.any()):
+                    raise RuntimeError(f"{type(method).__name__}.idle_parameters named a parameter with a nonzero "
+                                       f"gradient: idle means no micro-batch of the step reached it")
                 p.grad = None
             if clip > 0:
                 parts["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, clip))

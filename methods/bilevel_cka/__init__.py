@@ -58,6 +58,7 @@ from cl_bench.models.balancing import balancing_losses
 from cl_bench.models.expert_init import slice_experts
 from cl_bench.models.modes import device_of
 from cl_bench.models.moe import decoder_layers, group_sizes, moe_layers, rebuild, upcycle_model
+from cl_bench.models.reach import ExpertReach
 from cl_bench.models.params import count
 from cl_bench.models.upcycling import grow_groups, lm_and_balancing, moe_settings, train_newest_group
 from cl_bench.registry import register_method
@@ -103,6 +104,9 @@ class BilevelCKA(Method):
 
     def setup(self, model: nn.Module) -> None:
         self.model = model
+        # an expert group no token of a step reached takes no optimiser step, on either backend
+        self._reach = ExpertReach(model, self.ctx)
+        self.idle_units, self.idle_parameters = self._reach.units, self._reach.idle
         a = self.args
         upcycle_model(model, init=slice_experts, router_std=a.router_std, **moe_settings(a))
         train_newest_group(model, a.train_shared)

@@ -39,6 +39,7 @@ from cl_bench.models.balancing import balancing_losses
 from cl_bench.models.expert_init import slice_experts
 from cl_bench.models.modes import device_of
 from cl_bench.models.moe import UpcycledMoE, group_sizes, moe_layers, rebuild
+from cl_bench.models.reach import ExpertReach
 from cl_bench.models.upcycling import grown_param_report, moe_everywhere, moe_settings, train_newest_group
 from cl_bench.record.schema import rounded
 from cl_bench.registry import register_method
@@ -71,6 +72,9 @@ class ClusterUpcycle(Method):
 
     def setup(self, model: nn.Module) -> None:
         self.model = model  # dense until task 0: experts need the task's prompts
+        # an expert group no token of a step reached takes no optimiser step, on either backend
+        self._reach = ExpertReach(model, self.ctx)
+        self.idle_units, self.idle_parameters = self._reach.units, self._reach.idle
         train_newest_group(model, self.args.train_shared)
 
     # ---- task start ----------------------------------------------------------------

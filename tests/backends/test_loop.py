@@ -125,27 +125,37 @@ def test_torch_backend_runs_the_loop_with_its_optimiser():
 
 
 def test_torch_backend_leaves_idle_parameters_alone():
-    """A parameter the method names idle in a step (Method.idle_parameters) takes no
-    AdamW step there, though before_step gave it a (zero) gradient as a method may
-    through ctx.grads: its weight, moments and step count stay, as for a parameter no
-    micro-batch reached (the deepspeed backend's zero_engine does the same under ZeRO).
-    Mutation caught: the torch update not clearing the idle gradients (the embedding
-    moves by its momentum at step 1 and counts 2 steps)."""
+    """A parameter the method names idle in a step (Method.idle_parameters: no
+    micro-batch reached it) takes no AdamW step there, though before_step gave it a
+    (zero) gradient as a method may through ctx.grads: its weight, moments and step
+    count stay (the deepspeed backend's zero_engine does the same under ZeRO); and one
+    named idle that has a gradient is refused. Mutation caught: the torch update not
+    clearing the idle gradients (the parameter moves by its momentum at step 1 and
+    counts 2 steps)."""
+    import pytest
+
     from cl_bench.backends.torch_backend import TorchBackend
     from cl_bench.models.loading import tiny_llama
     from cl_bench.step_gradients import StepGradients
 
     model, tok, _ = tiny_llama(0)
+    extra = torch.nn.Parameter(torch.ones(3))  # in the loss at step 0 only
     method = Recorder(model)
-    embedding = model.get_input_embeddings().weight
-    method.idle = {1: [embedding]}
+    loss = method.loss
+    method.loss = lambda micro, step: (lambda lo, parts: (lo + (extra.sum() if step == 0 else 0), parts))(
+        *loss(micro, step))
+    method.idle = {1: [extra]}
     moved = []
-    method.before_step = lambda step: StepGradients().fragments(list(model.parameters()))  # zero where None
-    method.after_step = lambda step: moved.append(embedding.detach().clone())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    method.before_step = lambda step: StepGradients().fragments([*model.parameters(), extra])  # zero where None
+    method.after_step = lambda step: moved.append(extra.detach().clone())
+    optimizer = torch.optim.AdamW([*model.parameters(), extra], lr=0.1)
     config = RunConfig(seed=7, train=TrainConfig(batch_size=2, micro_batch_size=1, grad_clip=1.0))
     rows = [Encoder(tok, 16, 6, "head_tail", 4).train_example(f"p{i}", "answer") for i in range(3)]
-    start = embedding.detach().clone()
-    TorchBackend(config, torch.device("cpu")).train_stage(method, optimizer, STAGE, [rows], tok.pad_token_id)
-    assert not torch.equal(moved[0], start)  # step 0 trained it
-    assert torch.equal(moved[1], moved[0]) and float(optimizer.state[embedding]["step"]) == 1
+    backend = TorchBackend(config, torch.device("cpu"))
+    backend.train_stage(method, optimizer, STAGE, [rows], tok.pad_token_id)
+    assert not torch.equal(moved[0], torch.ones(3))  # step 0 trained it
+    assert torch.equal(moved[1], moved[0]) and float(optimizer.state[extra]["step"]) == 1
+
+    method.idle = {0: [extra]}  # reached at step 0: not idle
+    with pytest.raises(RuntimeError, match="idle_parameters named a parameter with a nonzero gradient"):
+        backend.train_stage(method, optimizer, STAGE, [rows], tok.pad_token_id)
