@@ -87,6 +87,11 @@ class BilevelCKA(Method):
     # the outer step (Adam on the mask logits), the CKA record and the reference cache live in
     # replay_loss: every rank takes the same outer step on the same batches with the same noise
     replay_on_every_rank = True
+    zero_unsupported = {3: (
+        "its outer step takes the mask logits' gradient (torch.autograd.grad) through the MoE layers, which "
+        "ZeRO-3 treats as leaf modules: their backward hooks then queue the experts for reduction a second time "
+        "in the same step, and DeepSpeed asserts on the duplicate unless its bucket happens to flush in between "
+        "(it passes with tiny reduce buckets, fails with the defaults)")}
 
     def __init__(self, args: BilevelCKAArgs, context):
         super().__init__(args, context)

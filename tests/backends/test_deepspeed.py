@@ -33,6 +33,10 @@ def test_methods_that_cannot_run_are_refused_before_loading(trace_dir, tmp_path,
     err = capsys.readouterr().err
     assert "method 'cluster-upcycle' cannot run on the deepspeed backend with ZeRO-3: " in err
     assert "--backend torch" in err
+    assert run_cli(*smoke_args(trace_dir, out, "--method", "bilevel-cka", "--backend", "deepspeed",
+                               "--zero", "3")) == 2
+    assert "method 'bilevel-cka' cannot run on the deepspeed backend with ZeRO-3: its outer step" in \
+        capsys.readouterr().err
     assert not out.exists() or not any(out.iterdir())  # nothing written, no model loaded
 
 
@@ -47,7 +51,8 @@ def test_every_method_declares_its_backend_support(capsys):
     assert "backends: torch, deepspeed ZeRO-2, deepspeed ZeRO-3" in shown  # seqft, upcycle ...
     assert "backends: torch, deepspeed ZeRO-2; not deepspeed ZeRO-3: its EMA teacher" in shown  # cluster-upcycle
     lines = shown.splitlines()
-    for name in ("mofo", "bilevel-cka", "ewc", "ogd", "care", "same"):  # since issue 50
+    assert "backends: torch, deepspeed ZeRO-2; not deepspeed ZeRO-3: its outer step" in shown  # bilevel-cka
+    for name in ("mofo", "ewc", "ogd", "care", "same"):  # since issue 50
         at = next(i for i, line in enumerate(lines) if line.startswith(f"{name} "))
         assert lines[at + 1].strip() == "backends: torch, deepspeed ZeRO-2, deepspeed ZeRO-3", name
 
