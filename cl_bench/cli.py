@@ -270,6 +270,8 @@ def cmd_perf(args) -> int:
     args.method = args.method or registry.baseline()
     registry.get(args.method)  # an unknown name fails here, in one line
     result = perf.run(args.what, args)
+    if result is None:  # a launched rank that reports nothing (perf deepspeed --ranks N)
+        return 0
     print(json.dumps(result, indent=2))
     _save(args, result)
     return 0

@@ -303,16 +303,23 @@ def _add_perf(sub) -> None:
                                   "gen-throughput"])
     p.add_argument("--method", help="harness, deepspeed, step: the method whose stage is timed (default: the baseline)")
     p.add_argument("--against", metavar="METHOD", help="step, zero-shot (required): the method it is timed against")
-    p.add_argument("--method-arg", action="append", metavar="K=V", help="step: an argument of --method (repeatable)")
+    p.add_argument("--method-arg", action="append", metavar="K=V",
+                   help="step, deepspeed: an argument of --method (repeatable)")
+    p.add_argument("--ranks", default="1", metavar="N[,N...]",
+                   help="deepspeed: the rank counts to measure, e.g. 1,2 (default 1); N > 1 is started as "
+                        "`cl-bench run --nproc N` starts its ranks")
+    p.add_argument("--zero", type=int, choices=[2, 3], help="deepspeed: the ZeRO stage (default 2)")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--task", help="task(s) or order; default NumGLUE-ds (upcycle-gap: paper6; step: Py150,NumGLUE-ds)")
-    p.add_argument("--n", type=int, default=32, help="prompts (generation) or examples (harness)")
+    p.add_argument("--task", help="task(s) or order; default NumGLUE-ds (upcycle-gap: paper6; step, deepspeed: Py150,NumGLUE-ds)")
+    p.add_argument("--n", "--items", type=int, default=32,
+                   help="prompts (generation) or examples a task (harness, deepspeed)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--data-dir")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"],
-                   help="eval-profile, eval-speed: the eval precision (default: the cpu profile's)")
+                   help="eval-profile, eval-speed: the eval precision (default: the cpu profile's); "
+                        "deepspeed: the training precision of both backends (default fp32)")
     p.add_argument("--baseline", choices=["plain", "growing-cache"], default="plain",
                    help="eval-speed: the decoder's baseline: the plain loop it replaced, or itself with "
                         "transformers' growing KV cache")

@@ -2,7 +2,9 @@
 
 harness.py   zero-shot (a method's zero-shot row against another's), generation (batched against one-at-a-time decoding), harness (a
              training stage of `--method` through the backend against a bare
-             loop), deepspeed (one rank against the torch backend)
+             loop)
+zero_cost.py deepspeed (a method's stage on ZeRO-2/3 at 1..N ranks against the torch
+             backend: step time and per-rank state memory)
 moe.py       moe (dispatch cost against the number of experts), upcycle-gap (the
              loss upcycling adds before any training)
 precision.py precision (fp32 against bf16: training and decoding speed, agreement)
@@ -13,7 +15,8 @@ device.py    train-step (median step and MFU against the device's peak), gen-thr
 step.py      step (one optimiser step of a method against another's, and the passes
              it needs, each timed alone on the same batches)
 
-Each returns a JSON-ready dict; repeats alternate the sides and report medians.
+Each returns a JSON-ready dict (deepspeed: None on a launched rank that reports nothing);
+repeats alternate the sides and report medians.
 """
 from __future__ import annotations
 
@@ -26,11 +29,12 @@ from cl_bench.tools.perf import harness
 from cl_bench.tools.perf import moe
 from cl_bench.tools.perf import precision
 from cl_bench.tools.perf import step
+from cl_bench.tools.perf import zero_cost
 
 MEASUREMENTS: dict[str, Callable[[Any], dict]] = {
     "generation": harness.generation,
     "harness": harness.harness,
-    "deepspeed": harness.deepspeed,
+    "deepspeed": zero_cost.deepspeed,
     "moe": lambda args: moe.moe_benchmark(repeats=args.repeats),
     "upcycle-gap": moe.upcycle_gap,
     "precision": precision.precision_benchmark,
@@ -41,11 +45,12 @@ MEASUREMENTS: dict[str, Callable[[Any], dict]] = {
     "train-step": device.train_step,
     "gen-throughput": device.gen_throughput,
 }
-DEFAULT_TASK = {"upcycle-gap": "paper6", "zero-shot": "paper6", "eval-profile": "paper6", "eval-speed": "paper6", "step": "Py150,NumGLUE-ds"}  # the others: one task, NumGLUE-ds
+DEFAULT_TASK = {"upcycle-gap": "paper6", "zero-shot": "paper6", "eval-profile": "paper6", "eval-speed": "paper6", "step": "Py150,NumGLUE-ds",
+                "deepspeed": zero_cost.DEFAULT_TASK}  # the others: one task, NumGLUE-ds
 NEEDS_AGAINST = ("step", "zero-shot")  # measurements of --method against another method
 
 
-def run(what: str, args) -> dict:
+def run(what: str, args) -> dict | None:
     if what in NEEDS_AGAINST and not args.against:
         raise UserError(f"perf {what} times --method against another method: give --against METHOD "
                         f"(see `cl-bench list`)")

@@ -9,10 +9,7 @@ harness:    a training stage of `--method` (default: the baseline method, full
     fine-tuning) through cl-bench's backend (method hooks, token-weighted
     accumulation, clipping, a progress bar and the step log) against a bare
     PyTorch loop over the same batches and trainable weights; the time ratio.
-deepspeed:  the same stage through the deepspeed backend (1 rank, ZeRO-2, this
-    process) against the torch backend: the median time of one optimiser step on
-    each (from the step log's timestamps) and their ratio, and apart from the
-    steps the engine's set-up and tear-down per phase.
+(deepspeed, the stage on the deepspeed backend against the torch backend: zero_cost.py)
 Repeats alternate which side runs first and report medians.
 """
 from __future__ import annotations
@@ -30,8 +27,7 @@ from cl_bench.backends.torch_backend import TorchBackend
 from cl_bench.benchmarks.trace import load_task, resolve_data_dir, resolve_order
 from cl_bench.eval.evaluation import evaluate_task
 from cl_bench.config import build
-from cl_bench.data.encode import IGNORE, Encoder, epoch_order, phase_steps, steps, tokenize_train
-from cl_bench.errors import UserError
+from cl_bench.data.encode import IGNORE, Encoder, epoch_order, steps, tokenize_train
 from cl_bench.eval.generation import greedy_generate
 from cl_bench.method import MethodContext, Stage
 from cl_bench.models.loading import load
@@ -132,50 +128,6 @@ def harness(args) -> dict:
             "steps": len(batches), "batch_size": t.batch_size, "micro_batch_size": t.micro_batch_size,
             "harness_s": times["harness"], "bare_s": times["bare"], "ratios": ratios,
             "median_ratio": statistics.median(ratios), "torch_threads": torch.get_num_threads()}
-
-
-def deepspeed(args) -> dict:
-    from cl_bench.backends.deepspeed_backend import DeepSpeedBackend
-
-    config, loaded, encoder, tasks = cpu_setup(args)
-    ds_config = build({**PROFILES["cpu"], "profile": "cpu", "model": args.model, "backend": "deepspeed",
-                       "deepspeed": {"zero": 2}}, "perf")
-    ds = DeepSpeedBackend(ds_config)
-    if ds.world_size != 1:
-        raise UserError("perf deepspeed measures one rank; run it without a launcher")
-    model, pad = loaded.model.to(ds.device), loaded.tokenizer.pad_token_id
-    rows = list(tokenize_train(encoder, tasks[0].train, None))
-    stage = Stage(0, tasks[:1], tasks[0].name)
-    method = default_method(args, config, ds.device, loaded.tokenizer)
-    method.setup(model)
-    backends = {"torch": TorchBackend(config, ds.device), "deepspeed": ds}
-
-    def timed(name: str) -> dict[str, float]:
-        """One stage; the step log's timestamps split it into steps and what is not a step."""
-        optimizer = method.optimizer_for_stage(stage, None)
-        marks: list[float] = []
-        t0 = time.perf_counter()
-        backends[name].train_stage(method, optimizer, stage, [rows], pad,
-                                   lambda s, parts: marks.append(time.perf_counter()))
-        end = time.perf_counter()
-        step = statistics.median(b - a for a, b in zip(marks, marks[1:]))
-        return {"total_s": end - t0, "step_s": step,
-                "before_first_step_s": marks[0] - t0 - step,  # deepspeed: the engine's set-up
-                "after_last_step_s": end - marks[-1]}  # deepspeed: gathering back, tear-down
-
-    timed("deepspeed")  # warm-up: the first engine, allocator, first-call costs
-    out: dict[str, dict[str, list[float]]] = {n: {} for n in backends}
-    for i in range(args.repeats):  # alternate which side goes first
-        for name in (("torch", "deepspeed") if i % 2 else ("deepspeed", "torch")):
-            for key, value in timed(name).items():
-                out[name].setdefault(key, []).append(value)
-    median = {n: {k: statistics.median(v) for k, v in runs.items()} for n, runs in out.items()}
-    return {"what": "deepspeed", "model": args.model, "method": args.method, "task": tasks[0].name, "examples": len(rows),
-            "steps": phase_steps([len(rows)], config.train.batch_size), "batch_size": config.train.batch_size,
-            "micro_batch_size": config.train.micro_batch_size, "zero": 2, "world_size": 1,
-            "bf16": ds.bf16, "device": str(ds.device), "runs": out, "median": median,
-            "step_ratio": median["deepspeed"]["step_s"] / median["torch"]["step_s"],
-            "torch_threads": torch.get_num_threads(), "deepspeed_version": ds.ds.__version__}
 
 
 def zero_shot(args) -> dict:
