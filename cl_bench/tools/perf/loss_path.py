@@ -1,7 +1,8 @@
 """`cl-bench perf loss-path`: training steps with vocabulary logits at the answer
 positions only (cl_bench/losses.py, issue 53) against the path before (logits at every
 position, `losses.all_positions()`), on the same batches, for each of `--methods`
-(comma-separated; default seqft,lora,upcycle,bilevel-cka).
+(comma-separated; default the baseline: the core names no method, so the figures'
+command names them, e.g. `--methods seqft,lora,upcycle,bilevel-cka`).
 
 `--task A,B` as `perf step`: A is stage 0 (its hooks run, nothing trains) and fills the
 replay buffer; B is the timed stage, on the `cpu` profile's settings (batch sizes,
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from cl_bench import losses
+from cl_bench import losses, registry
 from cl_bench.backends.torch_backend import TorchBackend
 from cl_bench.data.encode import IGNORE, epoch_order, steps, tokenize_train
 from cl_bench.data.replay import ReplayBuffer
@@ -38,7 +39,6 @@ from cl_bench.run.machine import machine
 from cl_bench.tools.perf.harness import cpu_setup
 from cl_bench.tools.perf.step import begun
 
-DEFAULT_METHODS = "seqft,lora,upcycle,bilevel-cka"
 SIDES = ("old", "new")  # old: all_positions(); new: answer positions only
 
 
@@ -89,7 +89,9 @@ class PeakMemory:
 
 
 def loss_path(args) -> dict:
-    methods = [m for m in (args.methods or DEFAULT_METHODS).split(",") if m]
+    methods = [m for m in (args.methods or registry.baseline()).split(",") if m]
+    for name in methods:
+        registry.get(name)  # an unknown name fails here, in one line
     config, loaded, encoder, tasks = cpu_setup(args)
     if len(tasks) != 2:
         raise UserError(f"perf loss-path: --task A,B (stage 0, then the timed stage), not {args.task!r}")
