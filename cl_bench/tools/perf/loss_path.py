@@ -109,6 +109,7 @@ def loss_path(args) -> dict:
     padded = sum(m["input_ids"].numel() for m in micro)
 
     def stage(name: str, side: str) -> tuple[list[float], int, list[float]]:
+        torch.manual_seed(config.seed)  # what setup and the hooks draw (router rows ...): the same on both sides
         method, optimizer, st = begun(name, config, loaded, tasks, encoder, {})
         marks, lm = [], []
 

@@ -166,15 +166,15 @@ def test_loss_path_times_both_paths_on_the_same_batches(trace_dir, tmp_path, mon
 
     monkeypatch.setattr(losses, "all_positions", counted)
     out = tmp_path / "loss-path.json"
-    assert run_cli("perf", "loss-path", "--model", "tiny-llama", "--methods", "seqft,lwf", "--task",
+    assert run_cli("perf", "loss-path", "--model", "tiny-llama", "--methods", "seqft,upcycle", "--task",
                    "Py150,NumGLUE-cm", "--n", "8", "--repeats", "1", "--data-dir", str(trace_dir),
                    "--output", str(out)) == 0
     rec = json.loads(out.read_text())
     assert rec["command"].startswith("cl-bench perf loss-path") and rec["machine"]["cpu"]
     assert 0 < rec["answer_share"] < 1 and rec["steps"] == 1
-    for name in ("seqft", "lwf"):
+    for name in ("seqft", "upcycle"):
         m = rec["methods"][name]
         assert set(m["median_step_s"]) == {"old", "new"} and m["speed_up"] > 0
-        assert m["lm_max_rel_diff"] < 1e-2  # bf16: the head over other rows rounds otherwise
+        assert m["lm_max_rel_diff"] < 1e-4  # bf16: the head over other rows may round otherwise
         assert set(m["peak_memory_mib"]) == {"old", "new"}
     assert len(entered) == 2  # one old side a method and repeat
