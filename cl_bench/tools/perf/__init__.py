@@ -10,6 +10,8 @@ eval_profile.py eval-profile (one evaluation pass: prefill, decode, overhead; th
              eval-speed (the decoder against the plain loop it replaced)
 device.py    train-step (median step and MFU against the device's peak), gen-throughput
              (tokens a second of each generator installed), on CUDA where visible
+loss_path.py loss-path (training steps with vocabulary logits at the answer positions only
+             against every position, per method, on the same batches)
 step.py      step (one optimiser step of a method against another's, and the passes
              it needs, each timed alone on the same batches)
 
@@ -23,6 +25,7 @@ from cl_bench.errors import UserError
 from cl_bench.tools.perf import device
 from cl_bench.tools.perf import eval_profile
 from cl_bench.tools.perf import harness
+from cl_bench.tools.perf import loss_path
 from cl_bench.tools.perf import moe
 from cl_bench.tools.perf import precision
 from cl_bench.tools.perf import step
@@ -35,13 +38,15 @@ MEASUREMENTS: dict[str, Callable[[Any], dict]] = {
     "upcycle-gap": moe.upcycle_gap,
     "precision": precision.precision_benchmark,
     "step": step.step,
+    "loss-path": loss_path.loss_path,
     "zero-shot": harness.zero_shot,
     "eval-profile": eval_profile.eval_profile,
     "eval-speed": eval_profile.eval_speed,
     "train-step": device.train_step,
     "gen-throughput": device.gen_throughput,
 }
-DEFAULT_TASK = {"upcycle-gap": "paper6", "zero-shot": "paper6", "eval-profile": "paper6", "eval-speed": "paper6", "step": "Py150,NumGLUE-ds"}  # the others: one task, NumGLUE-ds
+DEFAULT_TASK = {"upcycle-gap": "paper6", "zero-shot": "paper6", "eval-profile": "paper6", "eval-speed": "paper6", "step": "Py150,NumGLUE-ds",
+                "loss-path": "Py150,NumGLUE-ds"}  # the others: one task, NumGLUE-ds
 NEEDS_AGAINST = ("step", "zero-shot")  # measurements of --method against another method
 
 
