@@ -300,9 +300,10 @@ def _add_perf(sub) -> None:
                                     "or a method's step against another's and the passes it needs")
     p.add_argument("what", choices=["generation", "harness", "moe", "upcycle-gap", "deepspeed", "precision", "step",
                                   "zero-shot", "eval-profile", "eval-speed", "train-step",
-                                  "gen-throughput"])
+                                  "gen-throughput", "loss-path"])
     p.add_argument("--method", help="harness, deepspeed, step: the method whose stage is timed (default: the baseline)")
     p.add_argument("--against", metavar="METHOD", help="step, zero-shot (required): the method it is timed against")
+    p.add_argument("--methods", help="loss-path: the methods timed, comma-separated (default: the baseline)")
     p.add_argument("--method-arg", action="append", metavar="K=V",
                    help="step, deepspeed: an argument of --method (repeatable)")
     p.add_argument("--ranks", default="1", metavar="N[,N...]",

@@ -28,6 +28,7 @@ from cl_bench.config_fields import ReplayConfig, RunConfig, field_hint
 from cl_bench.config_values import coerce
 from cl_bench.data.encode import Encoder, epoch_members, phase_steps
 from cl_bench.errors import UserError, did_you_mean
+from cl_bench.losses import lm_loss  # noqa: F401  (the methods import it from here too)
 
 
 @dataclass
@@ -328,10 +329,3 @@ def prune_optimizer(optimizer: torch.optim.Optimizer | None, model: nn.Module) -
         group["params"] = [p for p in group["params"] if id(p) in live]
     for p in [p for p in optimizer.state if id(p) not in live]:
         del optimizer.state[p]
-
-
-def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Causal-LM cross-entropy, mean over tokens whose label is not -100 (answer + EOS)."""
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                labels=batch["labels"], use_cache=False)
-    return out.loss

@@ -59,9 +59,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cl_bench.data.encode import IGNORE
 from cl_bench.errors import UserError
 from cl_bench.data.gradients import batch_gradients
+from cl_bench.losses import answer_forward, summed_nll
 from cl_bench.method import Method, MethodArgs, Stage, lm_loss
 from cl_bench.models.modes import eval_mode
 from cl_bench.registry import register_method
@@ -87,12 +87,8 @@ class EWCArgs(MethodArgs):
 def sequence_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The batch's mean over examples of each example's summed answer-token NLL,
     −(1/B) Σ_i log p(y_i | x_i), in fp32 (labels -100 excluded, as in `lm_loss`)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   use_cache=False).logits[:, :-1]  # (B, T-1, V): position k predicts token k+1
-    targets = batch["labels"][:, 1:]  # (B, T-1)
-    total = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                                              ignore_index=IGNORE, reduction="sum")
-    return total / batch["input_ids"].shape[0]
+    # logits at the answer positions only (cl_bench/losses.py)
+    return summed_nll(answer_forward(model, batch)) / batch["input_ids"].shape[0]
 
 
 @register_method("ewc")

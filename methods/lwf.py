@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cl_bench.losses import distillation_kl
+from cl_bench.losses import answer_forward, answer_logits, distillation_kl
 from cl_bench.errors import UserError
 from cl_bench.method import Method, MethodArgs, Stage
 from cl_bench.registry import register_method
@@ -68,14 +68,12 @@ class LwF(Method):
         self.teacher = copy.deepcopy(self.model).eval().requires_grad_(False)
 
     def loss(self, batch, step):
-        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                         labels=batch["labels"], use_cache=False)
+        out = answer_forward(self.model, batch)  # logits at the answer positions only
         if self.teacher is None:
             return out.loss, {"lm": out.loss.item(), "kl": 0.0}
         with torch.no_grad():
-            old = self.teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                               use_cache=False).logits
-        kl = distillation_kl(out.logits, old, batch["labels"], self.args.temperature)
+            old = answer_logits(self.teacher, batch)  # (N, V) at the same positions
+        kl = distillation_kl(out.logits, old, None, self.args.temperature)
         return out.loss + self.args.lambda_kl * kl, {"lm": out.loss.item(), "kl": kl.item()}
 
     def param_report(self) -> dict:

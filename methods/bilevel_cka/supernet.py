@@ -136,7 +136,8 @@ def pair_shares(model: nn.Module, layers: list[int], batches: list[dict]) -> lis
     try:
         with torch.no_grad():
             for b in batches:
-                model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False)
+                model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False,
+                      logits_to_keep=1)  # the FFN inputs are wanted, not the vocabulary logits
                 keep = b["attention_mask"].bool()  # (B, T)
                 tokens += int(keep.sum())
                 for j, i in enumerate(layers):

@@ -35,6 +35,7 @@ from torch import nn
 
 from cl_bench.data.encode import IGNORE, Encoder, collate
 from cl_bench.errors import UserError
+from cl_bench.losses import answer_forward
 from cl_bench.method import Method, Stage
 from cl_bench.models.modes import device_of, eval_mode
 from cl_bench.models.moe import decoder_layers
@@ -190,8 +191,7 @@ class CaRE(Method):
                                 device=batch["input_ids"].device)
         control.forced, control.records = forced, []
         try:
-            out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                             labels=batch["labels"], use_cache=False)
+            out = answer_forward(self.model, batch)  # logits at the answer positions only
             records = control.records
         finally:
             control.forced, control.records = None, None

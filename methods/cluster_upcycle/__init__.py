@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cl_bench.losses import distillation_kl
+from cl_bench.losses import answer_forward, distillation_kl
 from cl_bench.method import Method, Stage
 from cl_bench.methods.cluster_upcycle.args import ClusterUpcycleArgs
 from cl_bench.methods.cluster_upcycle.clustering import add_centroid_groups, calibration_rows, forward_rows
@@ -162,20 +162,19 @@ class ClusterUpcycle(Method):
         ema_step(self._ema_pairs, self.args.ema_decay, self.ctx.grads)
 
     def teacher_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """(B, T, V) logits of the EMA model with every MoE layer dense (no gradient)."""
+        """(N, V) logits of the EMA model at the answer positions, every MoE layer dense (no gradient)."""
         return teacher_logits(self.model, self._ema, batch)
 
     def loss(self, batch, step):
         a = self.args
         teacher = self.teacher_logits(batch) if a.eesd_weight > 0 else None
         with balancing_losses() as balance:  # the student's terms only, not the teacher's
-            out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                             labels=batch["labels"], use_cache=False)
+            out = answer_forward(self.model, batch)  # logits at the answer positions only
         lm = out.loss
         lb = balance.total(device_of(self.model))
         total, parts = lm + lb, {"lm": lm.item(), "lb": lb.item()}
         if teacher is not None:
-            kl = distillation_kl(out.logits, teacher, batch["labels"], a.eesd_temperature)
+            kl = distillation_kl(out.logits, teacher, None, a.eesd_temperature)
             total = total + a.eesd_weight * kl
             parts["eesd"] = kl.item()
         return total, parts

@@ -22,6 +22,7 @@ import torch
 
 from cl_bench.data.encode import IGNORE, Encoder, collate
 from cl_bench.errors import UserError
+from cl_bench.losses import lm_loss
 from cl_bench.method import Stage
 from cl_bench.methods.cluster_upcycle.whiten import spherical_kmeans
 from cl_bench.models.expert_init import slice_experts
@@ -77,9 +78,9 @@ def forward_rows(model, ctx, rows: list[dict], on_input=None) -> float:
                 mask = (batch["attention_mask"] == 1) & (batch["labels"] == IGNORE)  # (B, T)
                 mask[:, 0] = False  # position 0: the attention sink
                 selected["mask"] = mask
-                out = model(**batch, use_cache=False)
+                loss = lm_loss(model, batch)
                 answer = int((batch["labels"][:, 1:] != IGNORE).sum())
-                total += out.loss.item() * answer
+                total += loss.item() * answer
                 n += answer
     finally:
         for handle in handles:

@@ -21,6 +21,7 @@ import contextlib
 import torch
 from torch import nn
 
+from cl_bench.losses import answer_logits
 from cl_bench.models.moe import moe_layers
 from cl_bench.step_gradients import StepGradients
 
@@ -69,8 +70,8 @@ def ema_step(pairs: list[tuple[torch.Tensor, nn.Parameter]], decay: float, grads
 
 def teacher_logits(model: nn.Module, ema: dict[str, torch.Tensor],
                    batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """(B, T, V) logits of the EMA model with every MoE layer dense (no gradient). Run
+    """(N, V) logits of the EMA model at the answer positions of `batch` (those the
+    student's loss reads: cl_bench/losses.py), every MoE layer dense (no gradient). Run
     outside the student's `balancing_losses()` block: it adds no balancing term."""
-    kwargs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
     with torch.no_grad(), dense_routing(model):
-        return torch.func.functional_call(model, ema, (), kwargs).logits
+        return answer_logits(lambda **kwargs: torch.func.functional_call(model, ema, (), kwargs), batch)

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
+from cl_bench.losses import answer_logits
 from cl_bench.method import Stage
 from helpers import SMOKE_TASKS, batch_of, make_method, trace_example
 
@@ -53,5 +54,6 @@ def task_batch(method, t: int = 0, n: int = 4) -> dict[str, torch.Tensor]:
 
 
 def logits(model, b):
+    """(N, V): the logits at the answer positions of `b` (those the losses read)."""
     with torch.no_grad():
-        return model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        return answer_logits(model, b)

@@ -52,7 +52,8 @@ class RepresentationProbe:
                 batch = collate(rows[start:start + self.batch_size], encoder.tokenizer.pad_token_id)
                 out = model(input_ids=batch["input_ids"].to(device),
                             attention_mask=batch["attention_mask"].to(device),
-                            output_hidden_states=True, use_cache=False)
+                            output_hidden_states=True, use_cache=False,
+                            logits_to_keep=1)  # the layers' outputs are wanted, not the vocabulary logits
                 keep = batch["attention_mask"].bool().to(device)  # (B, T)
                 for layer, hidden in enumerate(out.hidden_states[1:]):  # outputs of layers 0..L-1
                     if len(per_layer) <= layer:

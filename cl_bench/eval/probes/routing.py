@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from cl_bench.data.encode import Encoder, collate
+from cl_bench.losses import answer_forward
 from cl_bench.models.modes import device_of, eval_mode
 
 
@@ -121,9 +122,10 @@ class RoutingProbe:
                     batch = collate(rows[start:start + self.batch_size], encoder.tokenizer.pad_token_id)
                     mask = batch["attention_mask"].bool().to(device)
                     keep["mask"] = mask.reshape(-1)
-                    # labels: sequence-routed layers pool the prompt, as in training
-                    model(input_ids=batch["input_ids"].to(device), attention_mask=mask.long(),
-                          labels=batch["labels"].to(device), use_cache=False)
+                    # labels: sequence-routed layers pool the prompt, as in training (the
+                    # loss's forward: the head runs at the answer positions only)
+                    answer_forward(model, {"input_ids": batch["input_ids"].to(device), "attention_mask": mask.long(),
+                                           "labels": batch["labels"].to(device)})
         finally:
             for handle in handles:
                 handle.remove()

@@ -12,6 +12,8 @@ eval_profile.py eval-profile (one evaluation pass: prefill, decode, overhead; th
              eval-speed (the decoder against the plain loop it replaced)
 device.py    train-step (median step and MFU against the device's peak), gen-throughput
              (tokens a second of each generator installed), on CUDA where visible
+loss_path.py loss-path (training steps with vocabulary logits at the answer positions only
+             against every position, per method, on the same batches)
 step.py      step (one optimiser step of a method against another's, and the passes
              it needs, each timed alone on the same batches)
 
@@ -26,6 +28,7 @@ from cl_bench.errors import UserError
 from cl_bench.tools.perf import device
 from cl_bench.tools.perf import eval_profile
 from cl_bench.tools.perf import harness
+from cl_bench.tools.perf import loss_path
 from cl_bench.tools.perf import moe
 from cl_bench.tools.perf import precision
 from cl_bench.tools.perf import step
@@ -39,6 +42,7 @@ MEASUREMENTS: dict[str, Callable[[Any], dict]] = {
     "upcycle-gap": moe.upcycle_gap,
     "precision": precision.precision_benchmark,
     "step": step.step,
+    "loss-path": loss_path.loss_path,
     "zero-shot": harness.zero_shot,
     "eval-profile": eval_profile.eval_profile,
     "eval-speed": eval_profile.eval_speed,
@@ -46,7 +50,7 @@ MEASUREMENTS: dict[str, Callable[[Any], dict]] = {
     "gen-throughput": device.gen_throughput,
 }
 DEFAULT_TASK = {"upcycle-gap": "paper6", "zero-shot": "paper6", "eval-profile": "paper6", "eval-speed": "paper6", "step": "Py150,NumGLUE-ds",
-                "deepspeed": zero_cost.DEFAULT_TASK}  # the others: one task, NumGLUE-ds
+                "deepspeed": zero_cost.DEFAULT_TASK, "loss-path": "Py150,NumGLUE-ds"}  # the others: NumGLUE-ds
 NEEDS_AGAINST = ("step", "zero-shot")  # measurements of --method against another method
 
 

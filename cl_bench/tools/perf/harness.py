@@ -28,6 +28,7 @@ from cl_bench.benchmarks.trace import load_task, resolve_data_dir, resolve_order
 from cl_bench.eval.evaluation import evaluate_task
 from cl_bench.config import build
 from cl_bench.data.encode import IGNORE, Encoder, epoch_order, steps, tokenize_train
+from cl_bench.losses import lm_loss
 from cl_bench.eval.generation import greedy_generate
 from cl_bench.method import MethodContext, Stage
 from cl_bench.models.loading import load
@@ -108,7 +109,7 @@ def harness(args) -> dict:
             optimizer.zero_grad(set_to_none=True)
             for micro in batch.micro_batches:
                 w = int((micro["labels"] != IGNORE).sum()) / batch.n_tokens
-                (model(**micro, use_cache=False).loss * w).backward()
+                (lm_loss(model, micro) * w).backward()
             torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
             optimizer.step()
         return time.perf_counter() - t0

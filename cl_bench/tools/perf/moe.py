@@ -25,6 +25,7 @@ import time
 import torch
 from torch import nn
 
+from cl_bench.losses import lm_loss
 from cl_bench.run import precision
 from cl_bench.models.balancing import balancing_losses
 from cl_bench.models.moe import UpcycledMoE
@@ -127,8 +128,7 @@ def _answer_loss(model: nn.Module, rows: list[dict], pad_id: int, batch_size: in
         for start in range(0, len(rows), batch_size):
             batch = collate(rows[start:start + batch_size], pad_id)
             n = int((batch["labels"] != IGNORE).sum())
-            out = model(**batch, use_cache=False)
-            total += float(out.loss) * n
+            total += float(lm_loss(model, batch)) * n
             tokens += n
     return total / tokens
 

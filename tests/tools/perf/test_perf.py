@@ -149,3 +149,32 @@ def test_gen_throughput_runs_each_generator_installed_and_names_those_not_run(tr
     assert list(rec["generators"]) == ["hf"] and "vllm" in rec["not_run"]
     hf = rec["generators"]["hf"]
     assert hf["identical_to_hf"] == 3 and hf["tokens_per_s"] > 0 and len(hf["seconds"]) == 1
+
+
+def test_loss_path_times_both_paths_on_the_same_batches(trace_dir, tmp_path, monkeypatch):
+    """Each method's stage with logits at the answer positions against every position:
+    both sides' steps timed, their losses equal to float rounding (the same batches and
+    weights), the peak memory and the machine named, the command line inside. Mutation
+    caught: both sides run the same path (the old side without all_positions())."""
+    from cl_bench import losses
+
+    entered, real = [], losses.all_positions
+
+    def counted():
+        entered.append(1)
+        return real()
+
+    monkeypatch.setattr(losses, "all_positions", counted)
+    out = tmp_path / "loss-path.json"
+    assert run_cli("perf", "loss-path", "--model", "tiny-llama", "--methods", "seqft,upcycle", "--task",
+                   "Py150,NumGLUE-cm", "--n", "8", "--repeats", "1", "--data-dir", str(trace_dir),
+                   "--output", str(out)) == 0
+    rec = json.loads(out.read_text())
+    assert rec["command"].startswith("cl-bench perf loss-path") and rec["machine"]["cpu"]
+    assert 0 < rec["answer_share"] < 1 and rec["steps"] == 1
+    for name in ("seqft", "upcycle"):
+        m = rec["methods"][name]
+        assert set(m["median_step_s"]) == {"old", "new"} and m["speed_up"] > 0
+        assert m["lm_max_rel_diff"] < 1e-4  # bf16: the head over other rows may round otherwise
+        assert set(m["peak_memory_mib"]) == {"old", "new"}
+    assert len(entered) == 2  # one old side a method and repeat
