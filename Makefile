@@ -46,7 +46,7 @@ site: install
 # winners and forms views. The MoE sources table reads the same runs and also results/long's; the
 # flagship's table needs one finished run under results/long.
 HEADLINE_AND_LONG := --runs results --exclude 'cpu-v1/*' --exclude 'calibration/*' --exclude 'sweeps/*' --exclude 'tuning/*' \
-            --exclude 'tuned/*'
+            --exclude 'tuned/*' --exclude 'twins/*'
 readme: install
 	$(VENV)/bin/cl-bench leaderboard --update-readme README.md > /dev/null
 	$(VENV)/bin/cl-bench leaderboard --view winners --update-readme docs/results.md --section winners > /dev/null
