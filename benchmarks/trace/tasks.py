@@ -147,6 +147,7 @@ TRACE = Benchmark(
     env_var="CL_BENCH_DATA", default_dirs=("data/TRACE", "../shared/trace/LLM-CL-Benchmark_500"),
     reference="arXiv:2310.06762; docs/protocol.md, \"Data\"",
     answer_forms=ANSWER_FORMS,
+    eval_is_train=("MeetingBank",),  # in the 500 release, its train.json is a copy of its eval.json
 )
 get_task = TRACE.get_task
 resolve_order = TRACE.resolve_order
