@@ -6,7 +6,8 @@ Mutations caught: rules_of ignoring the record's benchmark (TRACE's rules for ev
 record: long-sequence's predictions would get form shares); a benchmark's rules
 replaced by TRACE's where the benchmark declares its own (its undeclared task would
 get one); a TRACE task name written back into the core's answer_form.py or
-intervals.py; answer_forms naming a task the benchmark lacks left unchecked."""
+intervals.py; answer_forms naming a task the benchmark lacks left unchecked; `show`'s
+form table and analyze's forms.png drawn for a benchmark without forms (all dashes)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,6 +20,8 @@ from cl_bench.benchmarks.trace.tasks import ANSWER_FORMS, TASKS
 from cl_bench.metrics.answer_form import option, rules_of
 from cl_bench.metrics.intervals import run_intervals
 from cl_bench.record.schema import RunRecord
+from cl_bench.report.figures import plots
+from cl_bench.report.text import format_matrix
 from helpers import RECORD_TASKS, make_record
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,13 +44,16 @@ def test_trace_keeps_its_rules_and_old_records_read_as_trace():
     assert old["summary"]["bwt_format"] == trace["summary"]["bwt_format"] is not None
 
 
-def test_a_benchmark_without_rules_has_no_form_shares():
+def test_a_benchmark_without_rules_has_no_form_shares(tmp_path):
     iv = intervals("long-sequence")
     assert rules_of("long-sequence") == {}
     assert iv["form_share"] == [[None, None], [None, None]]
     assert iv["summary"]["bwt_format"] is None and iv["summary"]["bwt_content"] is None
     assert iv["summary"]["bwt"] == intervals("trace")["summary"]["bwt"]  # the scores are the scores
     assert rules_of("not-installed-here") == {}
+    record = RunRecord.from_json({**make_record(SCORES)[0], "benchmark": "long-sequence"})
+    assert "answer form" not in format_matrix(record, iv)  # no table of dashes
+    assert plots.forms(record, tmp_path / "forms.png", iv) is None and not (tmp_path / "forms.png").exists()
 
 
 def test_a_benchmark_declares_its_own_rules(monkeypatch):
