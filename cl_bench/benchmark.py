@@ -27,7 +27,7 @@ import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from cl_bench.errors import UserError, did_you_mean
 
@@ -176,9 +176,19 @@ class Benchmark:
     env_var: str | None = None  # the data folder's environment variable, if it has one
     default_dirs: tuple[str, ...] = ()  # tried in order, relative to the working directory
     reference: str = ""  # where its tasks and orders come from
+    # per task, the rule of its answer form (cl_bench/metrics/answer_form.py: option, number, text, ...):
+    # the format/content split of BWT and the form shares; a task without one has none
+    answer_forms: dict[str, Callable[[str, str], bool]] = field(default_factory=dict)
+    # tasks whose eval split is a copy of their train split: scores on it measure memorisation, so a
+    # tuning grid (cl_bench/tools/tuning/grid.py) never tunes on them
+    eval_is_train: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.cl_tasks = tuple(self.cl_tasks or self.tasks)
+        for what, names in (("answer_forms", self.answer_forms), ("eval_is_train", self.eval_is_train)):
+            unknown = sorted(set(names) - set(self.tasks))
+            if unknown:
+                raise ValueError(f"benchmark {self.name}: {what} names tasks it does not have: {', '.join(unknown)}")
 
     # ---- what a benchmark may override ----
 

@@ -220,10 +220,13 @@ def cmd_leaderboard(args) -> int:
                      "sources": (sources.build_table, sources.format_table),
                      "published": (published.build_table, published.format_table)}[args.view]
     runs, exclude, include = headline.leaderboard_runs(args.runs, args.exclude, args.include)
-    table = build(leaderboard.load_runs(runs, exclude, include))
-    print(render(table, args.format), end="")
+    records = leaderboard.load_runs(runs, exclude, include)
+    if args.runs is None:  # the headline: TRACE's runs alone
+        records = headline.headline_records(records, runs)
+    tables = leaderboard.per_benchmark(records, build)  # one table per benchmark
+    print(leaderboard.render_tables(tables, render, args.format), end="")
     if args.update_readme:
-        leaderboard.update_readme(args.update_readme, render(table, "md"),
+        leaderboard.update_readme(args.update_readme, leaderboard.render_tables(tables, render, "md"),
                                   f"<!-- {args.section}:begin -->", f"<!-- {args.section}:end -->")
     return 0
 

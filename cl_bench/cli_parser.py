@@ -317,7 +317,9 @@ def _add_perf(sub) -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--data-dir")
+    p.add_argument("--benchmark", help="whose tasks --task names: trace (default) | long-sequence | a folder holding "
+                                        "benchmark.yaml; another than trace needs --task")
+    p.add_argument("--data-dir", help="the benchmark's data folder (default: its own, TRACE's $CL_BENCH_DATA)")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"],
                    help="eval-profile, eval-speed: the eval precision (default: the cpu profile's); "
                         "deepspeed: the training precision of both backends (default fp32)")

@@ -4,9 +4,11 @@ and the named task orders (docs/PROTOCOL.md, "Data" and "Decoding and scoring").
 from __future__ import annotations
 
 from cl_bench.benchmark import METRICS, Benchmark, TaskSpec
+from cl_bench.metrics.answer_form import number, option, option_first, text
 from cl_bench.profiles import PROFILES, split_own
 
-__all__ = ["CL_TASKS", "METRICS", "ORDERS", "TASKS", "TRACE", "TaskSpec", "get_task", "resolve_order"]
+__all__ = ["ANSWER_FORMS", "CL_TASKS", "METRICS", "ORDERS", "TASKS", "TRACE", "TaskSpec", "get_task",
+           "resolve_order"]
 
 # max_new_tokens: answer lengths were measured in characters on the 500-example
 # release (../shared/trace/LLM-CL-Benchmark_500, train+eval+test). Budgets sit
@@ -122,6 +124,19 @@ ORDERS: dict[str, list[str]] = {
 }
 
 
+# Each task's answer form (cl_bench/metrics/answer_form.py): BWT's format/content split and the
+# form shares of `cl-bench analyze` and the site.
+ANSWER_FORMS = {
+    "C-STANCE": option("ABC"),
+    "FOMC": option("ABC"),
+    "ScienceQA": option_first("ABCDE"),
+    "NumGLUE-cm": number,
+    "NumGLUE-ds": number,
+    "MeetingBank": text,
+    "Py150": text,
+    "20Minuten": text,
+}
+
 TRACE = Benchmark(
     name="trace", title="TRACE",
     description="TRACE (Wang et al., 2023): classification, summarisation, code, maths, simplification; "
@@ -131,6 +146,8 @@ TRACE = Benchmark(
     profiles={name: split_own(fields)[1] for name, fields in PROFILES.items()},
     env_var="CL_BENCH_DATA", default_dirs=("data/TRACE", "../shared/trace/LLM-CL-Benchmark_500"),
     reference="arXiv:2310.06762; docs/protocol.md, \"Data\"",
+    answer_forms=ANSWER_FORMS,
+    eval_is_train=("MeetingBank",),  # in the 500 release, its train.json is a copy of its eval.json
 )
 get_task = TRACE.get_task
 resolve_order = TRACE.resolve_order

@@ -2,10 +2,15 @@
 whatever its content (SAME, ICML 2026: much of continual-learning "forgetting" is
 forgetting of the answer's form, such as "a" where "A" is required).
 
+Which task has which rule is its benchmark's to declare (`Benchmark.answer_forms`;
+TRACE's are in benchmarks/trace/tasks.py); a task without a rule has no form share
+and stays out of BWT's format/content split, as does every task of a benchmark that
+declares none. `rules_of` finds a record's benchmark's rules.
+
 Each rule is a pure function (prediction, prompt) -> bool on the stripped
 prediction, as it is scored:
-- option:   one option letter and nothing else (C-STANCE, FOMC: "A", "B", "C");
-            a generation that stops right after the letter, i.e. at EOS;
+- option:   one option letter and nothing else (TRACE's C-STANCE, FOMC: "A", "B",
+            "C"); a generation that stops right after the letter, i.e. at EOS;
 - option_first: an option letter first, then nothing or a line break (ScienceQA's
             "letter + rationale" answers; only the letter is scored);
 - number:   one number, such as "12", "-3", "0.25" or "1,200" (NumGLUE);
@@ -17,10 +22,14 @@ prediction, as it is scored:
 """
 from __future__ import annotations
 
+import logging
 import re
 from collections import Counter
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
+log = logging.getLogger(__name__)
+
+Rule = Callable[[str, str], bool]  # (stripped prediction, prompt) -> has the task's answer form
 ECHO_MIN_CHARS = 20
 _NUMBER = re.compile(r"[-+]?(\d{1,3}(,\d{3})+|\d+)(\.\d+)?")
 
@@ -52,22 +61,23 @@ def text(prediction: str, prompt: str) -> bool:
     return not (len(squashed) >= ECHO_MIN_CHARS and squashed in _squash(prompt))
 
 
-# Task name -> its rule (benchmarks/trace/tasks.py lists the tasks).
-RULES: dict[str, Callable[[str, str], bool]] = {
-    "C-STANCE": option("ABC"),
-    "FOMC": option("ABC"),
-    "ScienceQA": option_first("ABCDE"),
-    "NumGLUE-cm": number,
-    "NumGLUE-ds": number,
-    "MeetingBank": text,
-    "Py150": text,
-    "20Minuten": text,
-}
+def rules_of(benchmark: str) -> Mapping[str, Rule]:
+    """The answer-form rules that `benchmark` (a record's name for it) declares, by task;
+    none for a benchmark that declares none or that is not installed here."""
+    from cl_bench import registry
+    from cl_bench.errors import UserError
+
+    try:
+        return registry.get_benchmark(benchmark).answer_forms
+    except UserError as e:
+        log.info("answer forms: benchmark %r not found here (%s); its tasks have no form rule", benchmark, e)
+        return {}
 
 
-def well_formed(task: str, predictions: Sequence[str], prompts: Sequence[str]) -> list[bool]:
-    """One flag per prediction: has it `task`'s answer form?"""
-    rule = RULES[task]
+def well_formed(task: str, predictions: Sequence[str], prompts: Sequence[str],
+                rules: Mapping[str, Rule]) -> list[bool]:
+    """One flag per prediction: has it `task`'s answer form (its rule in `rules`)?"""
+    rule = rules[task]
     return [rule(p, q) for p, q in zip(predictions, prompts)]
 
 

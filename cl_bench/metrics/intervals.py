@@ -17,7 +17,7 @@ import numpy as np
 
 from cl_bench.record import io as results
 from cl_bench.metrics import bootstrap
-from cl_bench.metrics.answer_form import RULES, well_formed
+from cl_bench.metrics.answer_form import rules_of, well_formed
 from cl_bench.metrics.cl import SUMMARIES, bwt_split, summarise
 from cl_bench.record.schema import RunRecord
 
@@ -44,6 +44,7 @@ class ItemTable:
             groups.setdefault((row["stage"], col[row["task"]]), []).append(row)
         items: list[list[int] | None] = [None] * len(tasks)
         scores, forms = {}, {}
+        rules = rules_of(record.benchmark)  # the benchmark's to declare; none: no form shares
         for (b, j), rows in groups.items():
             rows.sort(key=lambda r: r["index"])
             order = [r["index"] for r in rows]
@@ -53,9 +54,9 @@ class ItemTable:
                 raise ValueError(f"task {tasks[j]}: stage {results.stage_number(b)} ('stage': {b} in "
                                  f"predictions.jsonl) scored other test items than an earlier stage")
             scores[b, j] = np.array([r["score"] for r in rows], float)
-            if tasks[j] in RULES:
+            if tasks[j] in rules:
                 forms[b, j] = np.array(well_formed(tasks[j], [r["prediction"] for r in rows],
-                                                   [r["prompt"] for r in rows]), float)
+                                                   [r["prompt"] for r in rows], rules), float)
         return cls(tasks, len(record.matrix), [i or [] for i in items], scores, forms)
 
     def matrices(self, idx: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray,

@@ -71,9 +71,10 @@ def format_matrix(record: RunRecord, intervals: dict | None = None) -> str:
                    f"seed {iv['seed']}; items per task: {', '.join(map(str, iv['n_items']))}]")
         pct = lambda v: "–" if v is None else f"{100 * v:.0f}%"  # noqa: E731
         zf = iv.get("zero_shot_form_share") if zero is not None else None
-        out.append("\nanswer form (share of predictions with the task's answer form):")
-        out.append(_table(record, None if zf is None else [pct(v) for v in zf],
-                          [[pct(v) for v in row] for row in iv["form_share"]], ["after stage", *tasks]))
+        if any(v is not None for row in iv["form_share"] for v in row):  # none where the benchmark declares no form
+            out.append("\nanswer form (share of predictions with the task's answer form):")
+            out.append(_table(record, None if zf is None else [pct(v) for v in zf],
+                              [[pct(v) for v in row] for row in iv["form_share"]], ["after stage", *tasks]))
     majority = record.majority or {}
     if majority:
         out.append("majority-class level (always the most frequent training answer): " + ", ".join(

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from cl_bench.metrics import bootstrap
-from cl_bench.metrics.answer_form import RULES, majority_answer, well_formed
+from cl_bench.metrics.answer_form import majority_answer, well_formed
 from cl_bench.metrics.cl import bwt, bwt_split
-from cl_bench.benchmarks.trace.tasks import CL_TASKS
+from cl_bench.benchmarks.trace.tasks import ANSWER_FORMS as RULES, CL_TASKS
 
 
 def test_draws_are_seeded_and_per_task():
@@ -104,7 +104,7 @@ def test_bwt_split_with_no_well_formed_answer_left():
     ("20Minuten", "Der Hund lief.", "Paragraph: Der Hund lief heute schnell.", True),
 ])
 def test_answer_form_rules(task, prediction, prompt, ok):
-    assert well_formed(task, [prediction], [prompt]) == [ok]
+    assert well_formed(task, [prediction], [prompt], RULES) == [ok]
 
 
 def test_every_scored_task_has_a_form_rule():

@@ -160,8 +160,8 @@ def forms(record: RunRecord, path: Path, iv: dict | None) -> Path | None:
     import numpy as np
 
     plt = _pyplot()
-    if iv is None or not iv.get("form_share"):
-        return None
+    if iv is None or not any(v is not None for row in iv.get("form_share") or [] for v in row):
+        return None  # no predictions, or a benchmark that declares no answer form
     tasks = record.tasks
     labels = [f"{s.index + 1}: {s.label}" for s in record.stages]
     rows = iv["form_share"]

@@ -4,6 +4,11 @@ reads it when --runs is not given (so does `make readme`, through that), so the
 README's table and a bare `cl-bench leaderboard` are one table; --runs still takes
 any folder, and then the file plays no part.
 
+The headline is TRACE's (the default benchmark's): a bare `cl-bench leaderboard` shows
+the runs of that benchmark under the folder and leaves out any other benchmark's runs
+there, so the README's table keeps its scope as runs of other benchmarks are added;
+`--runs DIR` shows every benchmark under DIR, one table each.
+
     runs: .             # the folder of run folders, relative to the file's folder
     exclude:            # globs of run folders left out, relative to runs ('*' spans '/')
       - long/*
@@ -12,12 +17,16 @@ A bad file is one UserError naming the file, the field and the fix.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from cl_bench.benchmark import DEFAULT as BENCHMARK
 from cl_bench.errors import UserError, did_you_mean
+
+log = logging.getLogger(__name__)
 
 HEADLINE = Path("results") / "headline.yaml"
 FALLBACK = Path("results")  # what --runs meant before the file, where there is none
@@ -81,3 +90,17 @@ def leaderboard_runs(runs: Path | None, exclude: list[str], include: list[str],
     if head is None:
         return FALLBACK, list(exclude), list(include)
     return head.runs, [*head.exclude, *exclude], list(include)
+
+
+def headline_records(records: list, where: Path) -> list:
+    """The headline's runs among `records` (read from `where`): those of its benchmark,
+    TRACE; the others are left out, and said so in the log."""
+    kept = [r for r in records if r.benchmark == BENCHMARK]
+    others = sorted({r.benchmark for r in records} - {BENCHMARK})
+    if others:
+        log.info("headline leaderboard: %d runs of %s left out (it is %s's); --runs %s shows them",
+                 len(records) - len(kept), ", ".join(others), BENCHMARK, where)
+    if not kept:
+        raise UserError(f"no {BENCHMARK} run under {where} for the headline leaderboard (only runs of "
+                        f"{', '.join(others)}); pass --runs {where} for their tables")
+    return kept

@@ -1,5 +1,10 @@
-"""Run records -> the leaderboard's rows: one per (method, method arguments, model id,
-profile, precision, task order, reference) group, mean ± std over its runs (seeds).
+"""Run records -> the leaderboard's rows: one per (benchmark, method, method arguments,
+model id, profile, precision, task order, reference) group, mean ± std over its runs (seeds).
+
+Runs of different benchmarks never pool: not into one row (the benchmark is part of
+the group), nor into one ranking (each benchmark's rows are ranked, and marked against
+its own baseline and best row, apart from the others'). `by_benchmark` splits runs so,
+for the tables that show one benchmark each (`cl-bench leaderboard`, the site).
 
 The summaries come from the records (a summary a record predates, from its
 predictions). Each score also carries a 95% interval, bootstrapped over the test
@@ -21,6 +26,7 @@ from pathlib import Path
 import pandas as pd
 
 from cl_bench import registry
+from cl_bench.benchmark import DEFAULT as DEFAULT_BENCHMARK
 from cl_bench.errors import UserError
 from cl_bench.metrics import bootstrap
 from cl_bench.metrics.cl import summaries
@@ -48,7 +54,7 @@ PARAMS = (
 EXTRA = ["Added", "Expansion"]
 COUNTS = [col for _, col in PARAMS] + ["Added"]  # parameter counts: integers, shown as 134.5M
 SPREAD = [f"{col} std" for col in EXTRA]  # over seeds: a method's decisions (bilevel-cka's) differ by seed
-GROUP_KEYS = ["Method", "Args", "Model", "Profile", "Precision", "Order", "Reference"]
+GROUP_KEYS = ["Benchmark", "Method", "Args", "Model", "Profile", "Precision", "Order", "Reference"]
 MARKS = ["Last ≠ base", "BWT ≠ base", "Last ≠ best"]  # "yes" / "no" at 95%; "–" when not computable
 COLUMNS = (
     ["Method", "Args", "Model", "Profile", "Precision", "Tasks", "Order", "Reference", "Runs"]
@@ -58,6 +64,7 @@ COLUMNS = (
     + EXTRA
     + SPREAD
     + ["Wall time (min)"]
+    + ["Benchmark"]  # the tables show one benchmark each (by_benchmark); a CSV leaves it out
 )
 
 
@@ -87,6 +94,7 @@ def _flatten(entry: Entry) -> dict:
     last = max(run.params, key=lambda p: p.stage) if run.params else None
     total_s = run.timing.total_s
     row = {
+        "Benchmark": run.benchmark,
         "Method": run.method,
         "Args": json.dumps(run.method_args, sort_keys=True),
         "Model": _field(run, "model", "id"),
@@ -152,24 +160,34 @@ def distinct(a: dict | None, b: dict | None, runs_a: list[Entry], runs_b: list[E
     return None if ci is None else ("no" if ci[0] <= 0 <= ci[1] else "yes")
 
 
+def by_benchmark(runs: list[RunRecord]) -> dict[str, list[RunRecord]]:
+    """The runs of each benchmark, in their order: the default benchmark (TRACE) first,
+    then the others by name."""
+    out: dict[str, list[RunRecord]] = {}
+    for run in runs:
+        out.setdefault(run.benchmark, []).append(run)
+    return {name: out[name] for name in sorted(out, key=lambda n: (n != DEFAULT_BENCHMARK, n))}
+
+
 def build_table(runs: list[RunRecord]) -> pd.DataFrame:
-    """One row per (method, arguments, model, profile, precision, task order, reference)
-    group: build_rows' table."""
+    """One row per (benchmark, method, arguments, model, profile, precision, task order,
+    reference) group: build_rows' table."""
     return build_rows(runs)[0]
 
 
 def build_rows(runs: list[RunRecord]) -> tuple[pd.DataFrame, list[list[RunRecord]]]:
     """The table, and per row the runs pooled in it (`cl-bench site` links each row
-    to its runs' pages). One row per (method, arguments, model, profile, precision,
-    task order, reference) group.
+    to its runs' pages). One row per (benchmark, method, arguments, model, profile,
+    precision, task order, reference) group.
 
     Scores: mean and sample std (ddof=1; NaN for one run) over the group's runs,
     ignoring nulls, and the 95% interval ("lo", "hi") over items (and seeds).
     Params: the last stage's report, mean over the group's runs (they differ by
     seed where a method's decisions do, as bilevel-cka's Expand / Recycle), with
     the sample std of Added and Expansion. Wall time: mean total_s in minutes.
-    Marks: MARKS.
-    Sorted by Last Acc mean descending, reference rows last.
+    Marks: MARKS, against the baseline and best rows of the row's own benchmark.
+    Sorted by benchmark (by_benchmark's order), then Last Acc mean descending,
+    reference rows last.
     """
     if not runs:
         return pd.DataFrame(columns=COLUMNS), []
@@ -193,8 +211,10 @@ def build_rows(runs: list[RunRecord]) -> tuple[pd.DataFrame, list[list[RunRecord
     table = flat.groupby(GROUP_KEYS, sort=False, dropna=False).agg(**agg).reset_index()
     for col in COUNTS:
         table[col] = table[col].round().astype("Int64")
+    table["_other"] = table["Benchmark"] != DEFAULT_BENCHMARK
     table = table.sort_values(
-        ["Reference", "Last Acc mean", "Method"], ascending=[True, False, True], na_position="last"
+        ["_other", "Benchmark", "Reference", "Last Acc mean", "Method"], ascending=[True, True, True, False, True],
+        na_position="last"
     ).reset_index(drop=True)
     members = [[loaded[i] for i in idx] for idx in table["_runs"]]
     reps = [group_replicates(m) for m in members]
@@ -202,14 +222,17 @@ def build_rows(runs: list[RunRecord]) -> tuple[pd.DataFrame, list[list[RunRecord
         cis = [None if r is None else bootstrap.interval(r[s.key]) for r in reps]
         table[f"{s.label} lo"] = [None if c is None else c[0] for c in cis]
         table[f"{s.label} hi"] = [None if c is None else c[1] for c in cis]
-    ranked = [i for i in range(len(table)) if not table.loc[i, "Reference"]]
-    base = next((i for i in ranked if _is_baseline(table.loc[i, "Method"])), None)
-    best = ranked[0] if ranked else None
-    for col, other, key in (("Last ≠ base", base, "last_acc"), ("BWT ≠ base", base, "bwt"),
-                            ("Last ≠ best", best, "last_acc")):
-        table[col] = [None if i not in ranked or other is None or i == other
-                      else distinct(reps[i], reps[other], members[i], members[other], key)
-                      for i in range(len(table))]
+    for col in MARKS:
+        table[col] = None
+    for bench in table["Benchmark"].unique():  # each benchmark ranked apart
+        ranked = [i for i in range(len(table)) if table.loc[i, "Benchmark"] == bench and not table.loc[i, "Reference"]]
+        base = next((i for i in ranked if _is_baseline(table.loc[i, "Method"])), None)
+        best = ranked[0] if ranked else None
+        for col, other, key in (("Last ≠ base", base, "last_acc"), ("BWT ≠ base", base, "bwt"),
+                                ("Last ≠ best", best, "last_acc")):
+            for i in ranked:
+                if other is not None and i != other:
+                    table.at[i, col] = distinct(reps[i], reps[other], members[i], members[other], key)
     groups = [[e.record for e in m] for m in members]
     general = []  # ΔG and ΔLima columns, only where runs have them
     for stem in (DELTA_G, LIMA):

@@ -4,13 +4,15 @@ LaTeX (booktabs), and the cells the site shows. Formats only; computes nothing."
 from __future__ import annotations
 
 import json
+from typing import Callable
 
 import pandas as pd
 from tabulate import tabulate
 
+from cl_bench.benchmark import DEFAULT as DEFAULT_BENCHMARK
 from cl_bench.errors import UserError
 from cl_bench.report.general import DELTA_G, LIMA, STATS, cell
-from cl_bench.report.leaderboard.rows import COUNTS, EXTRA, MARKS, PARAMS, SCORES
+from cl_bench.report.leaderboard.rows import COUNTS, EXTRA, MARKS, PARAMS, SCORES, by_benchmark
 
 FORMATS = ("md", "csv", "latex")
 MISSING = "–"  # en dash, for md and latex; csv leaves the cell empty
@@ -86,9 +88,11 @@ def _differing(a: dict, b: dict, keys: set) -> set:
 
 
 def format_table(df: pd.DataFrame, fmt: str = "md") -> str:
-    """Render build_table's frame: 'md' (pipe table), 'csv' (raw numbers), 'latex' (booktabs)."""
+    """Render build_table's frame: 'md' (pipe table), 'csv' (raw numbers), 'latex' (booktabs).
+    The benchmark is not a column: a table shows one (rows.by_benchmark), and its
+    heading names it (cl-bench leaderboard)."""
     if fmt == "csv":
-        return df.to_csv(index=False, na_rep="")
+        return df.drop(columns=["Benchmark"], errors="ignore").to_csv(index=False, na_rep="")
     if fmt not in FORMATS:
         raise UserError(f"unknown leaderboard format {fmt!r}; choose one of {', '.join(FORMATS)}")
     headers, rows = display_rows(df)
@@ -97,3 +101,25 @@ def format_table(df: pd.DataFrame, fmt: str = "md") -> str:
     # disable_numparse: the cells are already formatted; tabulate would re-round "45.0" to "45"
     return tabulate(rows, headers, tablefmt=tablefmt, colalign=align, disable_numparse=True) + "\n"
 
+
+
+# A table's heading line, by format, where the runs are not all the default benchmark's
+HEADING = {"md": "## Benchmark: {}\n\n", "latex": "% benchmark: {}\n", "csv": "# benchmark: {}\n"}
+
+
+def per_benchmark(runs: list, build: Callable) -> list[tuple[str | None, object]]:
+    """`build` of each benchmark's runs (rows.by_benchmark's order), so runs of two
+    benchmarks never share a table: [(benchmark, table)], or [(None, table)] where
+    every run is the default benchmark's (TRACE's), whose one table needs no heading."""
+    groups = by_benchmark(runs)
+    if list(groups) in ([], [DEFAULT_BENCHMARK]):
+        return [(None, build(runs))]
+    return [(name, build(group)) for name, group in groups.items()]
+
+
+def render_tables(tables: list[tuple[str | None, object]], render: Callable, fmt: str = "md") -> str:
+    """per_benchmark's tables in `fmt`: each after a line naming its benchmark (none
+    for the default benchmark's table alone, which reads as it always did), a blank
+    line between them."""
+    return "\n".join(("" if name is None else HEADING[fmt].format(name)) + render(table, fmt)
+                      for name, table in tables)

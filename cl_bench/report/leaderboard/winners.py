@@ -1,4 +1,4 @@
-"""The leaderboard's winners view: per (profile, task order, precision), the best
+"""The leaderboard's winners view: per (benchmark, profile, task order, precision), the best
 ranked row on each score and on each cost, and the rows that cannot be told apart from it."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import pandas as pd
 from tabulate import tabulate
 
+from cl_bench.benchmark import DEFAULT as DEFAULT_BENCHMARK
 from cl_bench.metrics.cl import SUMMARY, summaries
 from cl_bench.record.schema import RunRecord
 from cl_bench.report.leaderboard.rows import build_rows, distinct, entries, group_replicates
@@ -26,8 +27,8 @@ def _learned(df: pd.DataFrame, i: int) -> bool:
 
 
 def build_winners_table(runs: list[RunRecord]) -> pd.DataFrame:
-    """Which ranked row wins on what, among the rows of one (profile, task order,
-    precision): per score the best row by mean (the highest, or the lowest where lower
+    """Which ranked row wins on what, among the rows of one (benchmark, profile, task
+    order, precision): per score the best row by mean (the highest, or the lowest where lower
     is better) and every row
     that cannot be told apart from it at 95% (the leaderboard's "≠ best" test: the
     interval of the difference over items and seeds holds 0), rows that cannot be
@@ -42,10 +43,11 @@ def build_winners_table(runs: list[RunRecord]) -> pd.DataFrame:
     reps = {i: group_replicates(loaded[i]) for i in ranked}
     sets: dict[tuple, list[int]] = {}
     for i in ranked:
-        sets.setdefault(tuple(df.loc[i, k] for k in ("Profile", "Order", "Precision")), []).append(i)
+        sets.setdefault(tuple(df.loc[i, k] for k in ("Benchmark", "Profile", "Order", "Precision")), []).append(i)
     rows = []
-    for (profile, _, precision), members in sets.items():
-        where = f"{profile}, {df.loc[members[0], 'Tasks']} tasks, {precision}"
+    for (bench, profile, _, precision), members in sets.items():
+        where = ("" if bench == DEFAULT_BENCHMARK else f"{bench}: ") + f"{profile}, {df.loc[members[0], 'Tasks']} " \
+                f"tasks, {precision}"
         for score in WINNER_SCORES:
             name = score.label
             scored = [i for i in members if pd.notna(df.loc[i, f"{name} mean"])]

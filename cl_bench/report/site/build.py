@@ -6,7 +6,9 @@ Pages (Jinja2 templates in cl_bench/report/site/templates, plain JS and CSS in s
 - index.html: one leaderboard per folder of runs (the runs directly inside it, as
   the README's tables are), each built by leaderboard.build_rows (the marks and
   intervals are the leaderboard's), sortable by any column and filtered by profile,
-  precision and method family; reference rows apart, never ranked.
+  precision and method family; reference rows apart, never ranked. Where runs of
+  several benchmarks are present (or of one other than TRACE), one section per
+  benchmark holds its folders' tables: runs of two benchmarks never share a table.
 - runs/<run>.html: the R[b][j] heatmap with each cell's interval, the zero-shot
   row and majority-class levels, the summaries with intervals (BWT's format and
   content parts among them), the figures `cl-bench analyze` wrote, parameters,
@@ -36,6 +38,7 @@ from importlib import resources
 from pathlib import Path
 
 from cl_bench import registry
+from cl_bench.benchmark import DEFAULT as DEFAULT_BENCHMARK
 from cl_bench.report import leaderboard
 from cl_bench.report.compare import compare, differences
 from cl_bench.errors import UserError
@@ -127,22 +130,30 @@ def build_site(runs_dir: Path, out: Path, exclude: list[str] = (), include: list
 
 
 def _index(site: _Site, runs: list[RunRecord], selector: dict, sensitivity_pages: list[dict]) -> None:
-    folders: dict[str, list[RunRecord]] = {}
-    for record in runs:
-        folders.setdefault(Path(site.rel(record)).parent.as_posix(), []).append(record)
-    tables = []
-    for folder in sorted(folders, key=lambda f: (f != ".", f)):
-        df, members = leaderboard.build_rows(folders[folder])
-        headers, rows = views.leaderboard_rows(df, members, lambda r: site.run_page(r))
-        title = f"{site.runs_dir.name}/" if folder == "." else f"{site.runs_dir.name}/{folder}/"
-        tables.append({"id": "t-" + ("top" if folder == "." else folder.replace("/", "-")), "title": title,
-                       "headers": headers, "more": [views.secondary(h) for h in headers], "rows": rows,
-                       "ranked": [r for r in rows if not r["reference"]],
-                       "reference": [r for r in rows if r["reference"]]})
-    rows = [r for t in tables for r in t["rows"]]
+    sections = []
+    groups = leaderboard.by_benchmark(runs)
+    alone = list(groups) == [DEFAULT_BENCHMARK]  # TRACE's runs alone: no benchmark sections, as before
+    for bench, records in groups.items():
+        folders: dict[str, list[RunRecord]] = {}
+        for record in records:
+            folders.setdefault(Path(site.rel(record)).parent.as_posix(), []).append(record)
+        tables = []
+        for folder in sorted(folders, key=lambda f: (f != ".", f)):
+            df, members = leaderboard.build_rows(folders[folder])
+            headers, rows = views.leaderboard_rows(df, members, lambda r: site.run_page(r))
+            title = f"{site.runs_dir.name}/" if folder == "." else f"{site.runs_dir.name}/{folder}/"
+            slug = ("top" if folder == "." else folder.replace("/", "-"))
+            tables.append({"id": "t-" + (slug if alone else f"{bench}-{slug}"), "title": title,
+                           "level": 2 if alone else 3,
+                           "headers": headers, "more": [views.secondary(h) for h in headers], "rows": rows,
+                           "ranked": [r for r in rows if not r["reference"]],
+                           "reference": [r for r in rows if r["reference"]]})
+        sections.append({"benchmark": None if alone else bench, "id": f"b-{bench}", "n_runs": len(records),
+                         "tables": tables})
+    rows = [r for section in sections for t in section["tables"] for r in t["rows"]]
     filters = {key: sorted({r[key] for r in rows}) for key in ("profile", "precision", "family")}
     first = next(iter(selector["pairs"]), "|").split("|")
-    site.write("index.html", "index.html", tables=tables, filters=filters, selector=selector,
+    site.write("index.html", "index.html", sections=sections, filters=filters, selector=selector,
                pick_a=first[0], pick_b=first[1],
                baseline=registry.baseline(), runs_dir=site.runs_dir.name, n_runs=len(runs),
                sensitivity=sensitivity_pages)

@@ -19,12 +19,18 @@ step.py      step (one optimiser step of a method against another's, and the pas
 
 Each returns a JSON-ready dict (deepspeed: None on a launched rank that reports nothing);
 repeats alternate the sides and report medians.
+The tasks come through the benchmark registry (data.py): `--benchmark` (TRACE by
+default), its data folder and its task names. The `--task` defaults are TRACE's;
+a measurement of another benchmark that reads tasks is given them with `--task`
+(or refused in one line), and its result names the benchmark.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
+from cl_bench.benchmark import DEFAULT as DEFAULT_BENCHMARK
 from cl_bench.errors import UserError
+from cl_bench.tools.perf import data
 from cl_bench.tools.perf import device
 from cl_bench.tools.perf import eval_profile
 from cl_bench.tools.perf import harness
@@ -49,8 +55,11 @@ MEASUREMENTS: dict[str, Callable[[Any], dict]] = {
     "train-step": device.train_step,
     "gen-throughput": device.gen_throughput,
 }
-DEFAULT_TASK = {"upcycle-gap": "paper6", "zero-shot": "paper6", "eval-profile": "paper6", "eval-speed": "paper6", "step": "Py150,NumGLUE-ds",
-                "deepspeed": zero_cost.DEFAULT_TASK, "loss-path": "Py150,NumGLUE-ds"}  # the others: NumGLUE-ds
+# TRACE's tasks or order each measurement reads by default (the others: one task, NumGLUE-ds)
+DEFAULT_TASK = {"upcycle-gap": "paper6", "zero-shot": "paper6", "eval-profile": "paper6", "eval-speed": "paper6",
+                "step": "Py150,NumGLUE-ds", "deepspeed": zero_cost.DEFAULT_TASK, "loss-path": "Py150,NumGLUE-ds"}
+NO_TASKS = ("moe",)  # synthetic: reads no benchmark
+OWN_ORDER = ("precision",)  # reads the `cpu` profile's order and sizes of the benchmark
 NEEDS_AGAINST = ("step", "zero-shot")  # measurements of --method against another method
 
 
@@ -58,5 +67,13 @@ def run(what: str, args) -> dict | None:
     if what in NEEDS_AGAINST and not args.against:
         raise UserError(f"perf {what} times --method against another method: give --against METHOD "
                         f"(see `cl-bench list`)")
+    bench = data.benchmark(args)  # an unknown --benchmark: one line
+    other = bench.name != DEFAULT_BENCHMARK
+    if other and what in NO_TASKS:
+        raise UserError(f"perf {what} reads no benchmark (synthetic tensors); drop --benchmark {bench.name}")
+    if other and not args.task and what not in OWN_ORDER:
+        raise UserError(f"perf {what} --benchmark {bench.name}: give --task (its defaults name TRACE's tasks); "
+                        f"{bench.title}'s tasks: {', '.join(bench.cl_tasks)}")
     args.task = args.task or DEFAULT_TASK.get(what, "NumGLUE-ds")
-    return MEASUREMENTS[what](args)
+    result = MEASUREMENTS[what](args)
+    return {"benchmark": bench.name, **result} if other else result

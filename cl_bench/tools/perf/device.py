@@ -22,13 +22,13 @@ import torch
 
 from cl_bench.run import precision
 from cl_bench.backends.torch_backend import TorchBackend
-from cl_bench.benchmarks.trace import load_task, resolve_data_dir
 from cl_bench.config import build
 from cl_bench.data.encode import Encoder, tokenize_train
 from cl_bench.errors import UserError
 from cl_bench.eval.generation import greedy_generate
 from cl_bench.method import Stage
 from cl_bench.models.loading import load
+from cl_bench.tools.perf import data
 from cl_bench.tools.perf.eval_profile import linear_weights
 from cl_bench.tools.perf.harness import default_method
 from cl_bench.profiles import PROFILES
@@ -59,7 +59,7 @@ def _setup(args, dev: torch.device):
                     "eval": {**PROFILES["cpu"]["eval"], "precision": "auto"}}, "perf")
     loaded = load(args.model, config.seed)
     loaded.model.to(dev)
-    task = load_task(resolve_data_dir(args.data_dir), args.task, args.n, args.n, config.seed)
+    task = data.load_task(args, args.task, args.n, args.n, config.seed)
     return config, loaded, Encoder.from_config(loaded.tokenizer, config.train), task
 
 

@@ -37,12 +37,12 @@ from torch import nn
 from cl_bench.run import precision
 from cl_bench.run.machine import machine, matmul_rate
 from cl_bench.backends.torch_backend import TorchBackend
-from cl_bench.benchmarks.trace import load_task, resolve_data_dir, resolve_order
 from cl_bench.config import build
 from cl_bench.data.encode import Encoder
 from cl_bench.eval.evaluation import evaluate_task
 from cl_bench.eval.generation import greedy_generate
 from cl_bench.models.loading import load
+from cl_bench.tools.perf import data
 from cl_bench.tools.perf.plain_decoding import plain_generate
 from cl_bench.profiles import PROFILES
 
@@ -63,8 +63,7 @@ def setup(args, precision_choice: str | None = None):
         eval_cfg["precision"] = precision_choice
     config = build({**PROFILES["cpu"], "profile": "cpu", "model": args.model, "eval": eval_cfg}, "perf")
     loaded = load(args.model, config.seed)
-    tasks = [load_task(resolve_data_dir(args.data_dir), name, 1, args.n, config.seed)
-             for name in resolve_order(args.task)]
+    tasks = [data.load_task(args, name, 1, args.n, config.seed) for name in data.order(args)]
     encoder = Encoder.from_config(loaded.tokenizer, config.train)
     return config, loaded, encoder, tasks, TorchBackend(config, torch.device("cpu"))
 

@@ -24,7 +24,6 @@ from tqdm import tqdm
 from cl_bench import registry
 from cl_bench.run import precision
 from cl_bench.backends.torch_backend import TorchBackend
-from cl_bench.benchmarks.trace import load_task, resolve_data_dir, resolve_order
 from cl_bench.eval.evaluation import evaluate_task
 from cl_bench.config import build
 from cl_bench.data.encode import IGNORE, Encoder, epoch_order, steps, tokenize_train
@@ -33,6 +32,7 @@ from cl_bench.eval.generation import greedy_generate
 from cl_bench.method import MethodContext, Stage
 from cl_bench.models.loading import load
 from cl_bench.profiles import PROFILES
+from cl_bench.tools.perf import data
 
 
 def cpu_setup(args):
@@ -40,8 +40,7 @@ def cpu_setup(args):
     tasks of `args.task` (comma-separated) with `args.n` training and test items each."""
     config = build({**PROFILES["cpu"], "profile": "cpu", "model": args.model}, "perf")
     loaded = load(args.model, config.seed)
-    tasks = [load_task(resolve_data_dir(args.data_dir), name, args.n, args.n, config.seed)
-             for name in args.task.split(",")]
+    tasks = [data.load_task(args, name, args.n, args.n, config.seed) for name in args.task.split(",")]
     return config, loaded, Encoder.from_config(loaded.tokenizer, config.train), tasks
 
 
@@ -138,9 +137,7 @@ def zero_shot(args) -> dict:
     repeats alternate the sides; medians, and how many predictions are identical."""
     config = build({**PROFILES["cpu"], "profile": "cpu", "model": args.model}, "perf")
     loaded = load(args.model, config.seed)
-    data_dir = resolve_data_dir(args.data_dir)
-    names = resolve_order(args.task)
-    tasks = [load_task(data_dir, name, 1, args.n, config.seed) for name in names]
+    tasks = [data.load_task(args, name, 1, args.n, config.seed) for name in data.order(args)]
     encoder = Encoder.from_config(loaded.tokenizer, config.train)
     backend = TorchBackend(config, torch.device("cpu"))
     models = {}

@@ -149,17 +149,17 @@ def upcycle_gap(args) -> dict:
     it changes the function by design."""
     import copy
 
-    from cl_bench.benchmarks.trace import load_benchmark, resolve_data_dir
     from cl_bench.config import PROFILES, build
     from cl_bench.data.encode import Encoder, tokenize_train
     from cl_bench.models.loading import load
     from cl_bench.models.expert_init import drop_upcycle_init, slice_experts
     from cl_bench.models.moe import upcycle_model
+    from cl_bench.tools.perf import data
 
     config = build({**PROFILES["cpu"], "profile": "cpu", "model": args.model}, "perf")
     loaded = load(args.model, config.seed)
     encoder = Encoder.from_config(loaded.tokenizer, config.train)
-    tasks = load_benchmark(resolve_data_dir(args.data_dir), args.task, n_train=1, n_test=args.n,
+    tasks = data.load_tasks(args, args.task, n_train=1, n_test=args.n,
                            seed=config.seed)
     rows = {t.name: list(tokenize_train(encoder, t.test, None)) for t in tasks}
     pad = loaded.tokenizer.pad_token_id

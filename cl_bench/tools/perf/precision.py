@@ -19,23 +19,25 @@ import torch
 
 from cl_bench.run import precision
 from cl_bench.backends.torch_backend import TorchBackend
-from cl_bench.benchmarks.trace import load_benchmark, resolve_data_dir
+from cl_bench.benchmark import DEFAULT as DEFAULT_BENCHMARK
 from cl_bench.config import resolve
 from cl_bench.data.encode import Encoder, tokenize_train
 from cl_bench.eval.evaluation import evaluate_task
 from cl_bench.eval.generation import greedy_generate
 from cl_bench.method import Method, MethodArgs, MethodContext, Stage
 from cl_bench.models.loading import load
+from cl_bench.tools.perf import data
 
 SIDES = ("fp32", "bf16")
 
 
 def precision_benchmark(args) -> dict:
-    config = resolve("cpu", None, {"model": args.model})
+    bench = data.benchmark(args)
+    own = {} if bench.name == DEFAULT_BENCHMARK else {"data": {"benchmark": bench.name}}  # its own profile fields
+    config = resolve("cpu", None, {"model": args.model, **own})
     d = config.data
-    data_dir = resolve_data_dir(args.data_dir)
-    tasks = load_benchmark(data_dir, d.order, d.n_train, d.n_test, config.seed, d.n_train_per_task,
-                           d.n_test_per_task)
+    tasks = data.load_tasks(args, d.order, d.n_train, d.n_test, config.seed, n_train_per_task=d.n_train_per_task,
+                            n_test_per_task=d.n_test_per_task)
     loaded = load(args.model, config.seed)
     encoder = Encoder.from_config(loaded.tokenizer, config.train)
     device = torch.device("cpu")

@@ -58,7 +58,6 @@ from torch import nn
 from cl_bench import registry
 from cl_bench.backends.base import check_support
 from cl_bench.backends.torch_backend import TorchBackend
-from cl_bench.benchmarks.trace import load_task, resolve_data_dir
 from cl_bench.config import build
 from cl_bench.data.encode import Encoder, phase_steps, tokenize_train
 from cl_bench.data.replay import ReplayBuffer
@@ -67,6 +66,7 @@ from cl_bench.method import MethodContext
 from cl_bench.models.loading import load
 from cl_bench.profiles import PROFILES
 from cl_bench.run.machine import machine
+from cl_bench.tools.perf import data
 
 DEFAULT_TASK = "Py150,NumGLUE-ds"
 PART_ENV = "CL_BENCH_PERF_PART"  # a launched rank 0 writes its part of the record here
@@ -267,8 +267,7 @@ def measure(args) -> dict[str, Any] | None:
     device = ds.device
     loaded = load(args.model, torch_config.seed)
     encoder = Encoder.from_config(loaded.tokenizer, torch_config.train)
-    data_dir = resolve_data_dir(args.data_dir)
-    tasks = [load_task(data_dir, name, args.n, args.n, torch_config.seed) for name in args.task.split(",")]
+    tasks = [data.load_task(args, name, args.n, args.n, torch_config.seed) for name in args.task.split(",")]
     if len(tasks) > 2:
         raise UserError(f"perf deepspeed: --task A,B (stage 0's hooks, then the timed stage) or one task, "
                         f"not {args.task!r}")

@@ -59,15 +59,17 @@ def main(args) -> int:
     chosen = config_tuned.path_for(grid.profile)
     if args.action == "leaderboard":
         wanted = shared if args.view == "shared" else tuned.expected_args(config_tuned.load(chosen), grid.profile)
-        table = leaderboard.format_table(leaderboard.build_table(tuned.select(runs, wanted, grid.profile)), "md")
+        table = leaderboard.format_table(
+            leaderboard.build_table(tuned.select(runs, wanted, grid.profile, grid.benchmark)), "md")
         print(table, end="")
         _readme(args, table, "tuned-leaderboard")
         return 0
     if args.top < 1:
         raise UserError(f"--top {args.top} must be at least 1")
     at_tuned = tuned.expected_args(config_tuned.load(chosen), grid.profile)
-    print(sensitivity.format_verdict(sensitivity.verdict(tuned.select(runs, shared, grid.profile),
-                                                         tuned.select(runs, at_tuned, grid.profile), args.top)), end="")
+    print(sensitivity.format_verdict(sensitivity.verdict(tuned.select(runs, shared, grid.profile, grid.benchmark),
+                                                         tuned.select(runs, at_tuned, grid.profile, grid.benchmark),
+                                                         args.top)), end="")
     return 0
 
 

@@ -2,6 +2,7 @@
 before any tuning run:
 
     profile: cpu
+    benchmark: trace                       # optional (default trace): whose tasks the order names
     order: [Py150, NumGLUE-ds, C-STANCE]   # the tuning order: three tasks, eval split
     seed: 1234
     rule: last-acc-keep-base               # RULES
@@ -16,6 +17,9 @@ be points of its grid. A grid point is one run over the tuning order, scored on 
 eval split (`--set data.test_split=eval`): the plan line of every point carries it,
 and `cl-bench campaign` refuses a tuning plan with a line that scores the test split
 (plan.TUNING_MARK). The strength is tuned after the rate, at the chosen rate.
+The order's tasks are the benchmark's (the registry's; none whose eval split is its
+train copy, `Benchmark.eval_is_train`: TRACE's MeetingBank); a grid of a benchmark
+other than TRACE passes it to every run (`--benchmark`).
 """
 from __future__ import annotations
 
@@ -23,13 +27,13 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cl_bench.benchmark import DEFAULT as DEFAULT_BENCHMARK
 from cl_bench.errors import UserError
 
 # last-acc-keep-base: the value with the highest Last Acc on the tuning order; the base value
 # is kept unless that value's Last Acc is higher than the base's at 95% (compare's paired test).
 RULES = ("last-acc-keep-base",)
 EVAL_SET = "data.test_split=eval"
-NEVER_TUNE_ON = ("MeetingBank",)  # its eval split is its train copy in the 500 release (config.DataConfig)
 
 
 def short(value: float) -> str:
@@ -76,10 +80,13 @@ class Grid:
     output: Path
     methods: dict[str, MethodGrid]
     finals: Finals
+    benchmark: str = DEFAULT_BENCHMARK
 
     def flags(self, method: str, args: dict[str, float]) -> list[str]:
         """`cl-bench run` flags of one grid point: always the eval split."""
         out = ["--profile", self.profile, "--method", method]
+        if self.benchmark != DEFAULT_BENCHMARK:
+            out += ["--benchmark", self.benchmark]
         for key, value in args.items():
             out += ["--method-arg", f"{key}={value:g}"]
         return out + ["--order", ",".join(self.order), "--seed", str(self.seed), "--set", EVAL_SET]
@@ -108,26 +115,32 @@ def load(path: Path) -> Grid:
     """The grid file, checked: one line naming the file, the field and the fix on bad input."""
     from cl_bench import config as cfg
     from cl_bench import registry
-    from cl_bench.benchmarks.trace.tasks import resolve_order
-
     raw = cfg.load_yaml(path)
-    unknown = sorted(set(raw) - {"profile", "order", "seed", "rule", "output", "methods", "finals"})
+    unknown = sorted(set(raw) - {"profile", "benchmark", "order", "seed", "rule", "output", "methods", "finals"})
     if unknown:
-        raise _fail(path, unknown[0], "unknown field; the fields are profile, order, seed, rule, output, methods, "
-                                      "finals")
+        raise _fail(path, unknown[0], "unknown field; the fields are profile, benchmark, order, seed, rule, output, "
+                                      "methods, finals")
     profile = raw.get("profile")
     if not isinstance(profile, str):
         raise _fail(path, "profile", "give the profile the grid tunes, e.g. cpu")
     if raw.get("rule") not in RULES:
         raise _fail(path, "rule", f"{raw.get('rule')!r} is not a rule; the rules: {', '.join(RULES)}")
+    name = raw.get("benchmark", DEFAULT_BENCHMARK)
+    if not isinstance(name, str) or not name:
+        raise _fail(path, "benchmark", f"{name!r} must be a benchmark's name (`cl-bench list --benchmarks`)")
+    try:
+        bench = registry.get_benchmark(name)
+    except UserError as e:
+        raise _fail(path, "benchmark", str(e)) from None
     order = raw.get("order")
     try:
-        order = resolve_order(order)
+        order = bench.resolve_order(order)
     except (UserError, TypeError, ValueError) as e:
-        raise _fail(path, "order", f"{e}; list three TRACE tasks") from None
-    if len(order) != 3 or set(order) & set(NEVER_TUNE_ON):
-        raise _fail(path, "order", f"{order} must be three tasks, none of {', '.join(NEVER_TUNE_ON)} (its eval "
-                                   f"split is its train copy)")
+        raise _fail(path, "order", f"{e}; list three {bench.title} tasks") from None
+    never = bench.eval_is_train
+    if len(order) != 3 or set(order) & set(never):
+        raise _fail(path, "order", f"{order} must be three tasks" + (f", none of {', '.join(never)} (its eval "
+                                   f"split is its train copy)" if never else ""))
     seed = raw.get("seed", 1234)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise _fail(path, "seed", f"{seed!r} must be a whole number")
@@ -166,7 +179,7 @@ def load(path: Path) -> Grid:
                                                              f"{grid.base_strength:g}; add it")
         grids[cls.name] = grid
     return Grid(path, profile, order, seed, raw["rule"], Path(raw["output"]), grids,
-                _finals(path, raw.get("finals"), grids))
+                _finals(path, raw.get("finals"), grids), bench.name)
 
 
 def _finals(path: Path, raw, grids: dict[str, MethodGrid]) -> Finals:

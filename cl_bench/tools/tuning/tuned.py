@@ -5,7 +5,8 @@ for `cl-bench run --tuned` and here.)
 `select`: the runs of one leaderboard of a profile: each ranked method at given
 arguments (the tuned file's, or the arguments each method has without any: the
 shared-rate leaderboard), with the reference rows at theirs, on the profile's own
-order and its test split.
+order and its test split, of one benchmark (TRACE by default; its order and the
+profile's fields are that benchmark's, through the registry).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import dataclasses
 
 from cl_bench import config as cfg
 from cl_bench import registry
-from cl_bench.benchmarks.trace.tasks import resolve_order
+from cl_bench.benchmark import DEFAULT as DEFAULT_BENCHMARK
 from cl_bench.errors import UserError
 
 
@@ -33,14 +34,15 @@ def expected_args(methods: dict[str, dict], profile: str) -> dict[str, dict]:
     return out
 
 
-def select(runs: list, args: dict[str, dict], profile: str) -> list:
-    """The runs (RunRecord) of the profile's order and test split whose method is in
-    `args` at exactly those arguments, and the reference rows at their defaults."""
-    order = resolve_order(cfg.resolve(profile, None, {}).data.order)
+def select(runs: list, args: dict[str, dict], profile: str, benchmark: str = DEFAULT_BENCHMARK) -> list:
+    """The runs (RunRecord) of `benchmark`, of the profile's order and test split, whose
+    method is in `args` at exactly those arguments, and the reference rows at their defaults."""
+    bench = registry.get_benchmark(benchmark)
+    order = bench.resolve_order(cfg.resolve(profile, None, {"data": {"benchmark": benchmark}}).data.order)
     keep = []
     for run in runs:
         split = ((run.config or {}).get("data") or {}).get("test_split") or "test"
-        if run.profile != profile or list(run.tasks) != order or split != "test":
+        if run.benchmark != bench.name or run.profile != profile or list(run.tasks) != order or split != "test":
             continue
         try:
             cls = registry.get(run.method)
