@@ -64,6 +64,8 @@ def _init_distributed(deepspeed, timeout: timedelta) -> None:
     """Join the launcher's process group (deepspeed, torchrun: RANK etc. in the
     environment), or make a one-rank group for this process."""
     if torch.distributed.is_initialized():
+        if torch.distributed.get_world_size() == 1:  # a one-rank group made earlier in this process
+            os.environ.setdefault("LOCAL_RANK", "0")  # the engine asserts it is set
         return
     if "RANK" in os.environ:
         deepspeed.init_distributed(timeout=timeout)
