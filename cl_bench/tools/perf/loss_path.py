@@ -31,13 +31,9 @@ from pathlib import Path
 import torch
 
 from cl_bench import losses, registry
-from cl_bench.backends.torch_backend import TorchBackend
-from cl_bench.data.encode import IGNORE, epoch_order, steps, tokenize_train
-from cl_bench.data.replay import ReplayBuffer
-from cl_bench.errors import UserError
+from cl_bench.data.encode import IGNORE, epoch_order, steps
 from cl_bench.run.machine import machine
-from cl_bench.tools.perf.harness import cpu_setup
-from cl_bench.tools.perf.step import begun
+from cl_bench.tools.perf.step import begun, two_stages
 
 SIDES = ("old", "new")  # old: all_positions(); new: answer positions only
 
@@ -92,16 +88,9 @@ def loss_path(args) -> dict:
     methods = [m for m in (args.methods or registry.baseline()).split(",") if m]
     for name in methods:
         registry.get(name)  # an unknown name fails here, in one line
-    config, loaded, encoder, tasks = cpu_setup(args)
-    if len(tasks) != 2:
-        raise UserError(f"perf loss-path: --task A,B (stage 0, then the timed stage), not {args.task!r}")
+    config, loaded, encoder, tasks, rows, replay_rows, backend = two_stages(args, "loss-path")
     device, pad = torch.device("cpu"), loaded.tokenizer.pad_token_id
     t = config.train
-    rows = list(tokenize_train(encoder, tasks[1].train, None))
-    buffer = ReplayBuffer(config.replay, config.seed)
-    buffer.add_task(tasks[0])
-    replay_rows = list(tokenize_train(encoder, buffer.examples(), None))
-    backend = TorchBackend(config, device)
     order = epoch_order(len(rows), config.seed, tasks[1].name, 0)
     micro = [m for b in steps(rows, order, t.batch_size, t.micro_batch_size, pad) for m in b.micro_batches]
     tokens = sum(int(m["attention_mask"].sum()) for m in micro)

@@ -47,17 +47,24 @@ def begun(name: str, config, loaded, tasks: list, encoder, method_args: dict):
     return method, method.optimizer_for_stage(stages[1], None), stages[1]
 
 
-def step(args) -> dict:
+def two_stages(args, what: str):
+    """What `perf step` and `perf loss-path` set up alike: the `cpu` config, the model and
+    the two tasks of --task (stage 0, then the timed stage), the timed stage's tokenised
+    rows, the replay rows stage 0 leaves, and a torch backend on the CPU."""
     config, loaded, encoder, tasks = cpu_setup(args)
     if len(tasks) != 2:
-        raise UserError(f"perf step: --task A,B (stage 0, then the timed stage), not {args.task!r}")
-    device, pad = torch.device("cpu"), loaded.tokenizer.pad_token_id
-    t = config.train
+        raise UserError(f"perf {what}: --task A,B (stage 0, then the timed stage), not {args.task!r}")
     rows = list(tokenize_train(encoder, tasks[1].train, None))
     buffer = ReplayBuffer(config.replay, config.seed)
     buffer.add_task(tasks[0])
     replay_rows = list(tokenize_train(encoder, buffer.examples(), None))
-    backend = TorchBackend(config, device)
+    return config, loaded, encoder, tasks, rows, replay_rows, TorchBackend(config, torch.device("cpu"))
+
+
+def step(args) -> dict:
+    config, loaded, encoder, tasks, rows, replay_rows, backend = two_stages(args, "step")
+    device, pad = torch.device("cpu"), loaded.tokenizer.pad_token_id
+    t = config.train
     method_args = dict(a.split("=", 1) for a in args.method_arg or [])
 
     def begun_(name: str):
