@@ -18,7 +18,7 @@ transformers' own causal-LM loss (upcast to fp32, cross-entropy with ignore_inde
 mean over the answer positions), handed the kept positions' targets as `shift_labels`.
 
 `all_positions()`: the path before (logits at every position, the loss from `labels`,
-answer rows picked afterwards), for `cl-bench perf train-step --paths` and the tests
+answer rows picked afterwards), for `cl-bench perf loss-path` and the tests
 that compare the two.
 """
 from __future__ import annotations
