@@ -262,14 +262,17 @@ def test_bad_slurm_settings_are_one_message(plan, tmp_path, capsys, content, say
 # ---- estimates -----------------------------------------------------------------------
 
 def _record(tmp, name, method, seconds_per_step, token_s, prec="bf16", model="m", train=(8, 4, 256, 96),
-            **fields):
+            benchmark=None, **fields):
     """A complete record: two stages of tasks A and B, 10 steps each, 100 budget tokens
     each; `train`: batch, micro-batch, prompt and answer lengths; `fields`: more of the
-    record (machine, resumes)."""
+    record (machine, resumes); `benchmark`: the config's data.benchmark (records from
+    before benchmarks were plugins have none: TRACE)."""
     folder = tmp / name
     folder.mkdir(parents=True)
     config = {"model": model, "train": dict(zip(("batch_size", "micro_batch_size", "max_prompt_len",
                                                  "max_answer_len"), train))}
+    if benchmark:
+        config["data"] = {"benchmark": benchmark}
     stages = [{"stage": b, "train_s": 10 * s, "eval_s": 100 * token_s, "steps": 10}
               for b, s in enumerate(seconds_per_step)]
     (folder / "run.json").write_text(json.dumps({
@@ -315,7 +318,7 @@ def test_a_records_seconds_scale_by_its_machines_rate_over_this_ones(tmp_path, r
     _record(tmp_path, "old", "replay", [1.0, 2.0], 0.01)
     _record(tmp_path, "fast-fp32", "seqft", [3.0, 3.0], 0.03, prec="fp32", machine=_calibrated(25.0, "fp32"))
     timings = estimate.Timings(tmp_path)
-    at = ("m", "bf16", 8, 4, 256, 96)
+    at = ("m", "bf16", 8, 4, 256, 96, "trace")
 
     fast = timings.rates("seqft", at)
     assert fast.step_s == pytest.approx({"A": 2.0, "B": 4.0}) and fast.token_s == pytest.approx(0.02)
@@ -324,7 +327,7 @@ def test_a_records_seconds_scale_by_its_machines_rate_over_this_ones(tmp_path, r
     assert resumed.step_s == pytest.approx({"A": 2.0, "B": 1.0}) and resumed.token_s == pytest.approx(0.0125)
     old = timings.rates("replay", at)
     assert old.step_s == {"A": 1.0, "B": 2.0} and old.rough and old.source == "old; machine unrecorded"
-    slow = timings.rates("seqft", ("m", "fp32", 8, 4, 256, 96))  # 25 GFLOP/s there, 50 here: half
+    slow = timings.rates("seqft", ("m", "fp32", 8, 4, 256, 96, "trace"))  # 25 GFLOP/s there, 50 here: half
     assert slow.step_s == pytest.approx({"A": 1.5, "B": 1.5}) and not slow.rough
     assert timings.rates("seqft", at).step_s == fast.step_s
     assert rate_here == [("bf16", 1, (1024, 576, 1536)), ("fp32", 1, (1024, 576, 1536))]
@@ -343,7 +346,7 @@ def test_estimates_come_from_the_same_methods_records_else_are_scaled_and_marked
     _record(tmp_path, "upcycle-fp32", "upcycle", [1.0, 1.0], 0.01, prec="fp32")
     _record(tmp_path, "btx-fp32", "btx", [5.0, 7.0], 0.05, prec="fp32")
     timings = estimate.Timings(tmp_path)
-    at = ("m", "bf16", 8, 4, 256, 96)
+    at = ("m", "bf16", 8, 4, 256, 96, "trace")
     work = estimate.Work(steps=[{"A": 4}, {"B": 6}], budget=[50, 80], zero_shot=20, at=at)
 
     own = timings.rates("seqft", at)
@@ -357,7 +360,24 @@ def test_estimates_come_from_the_same_methods_records_else_are_scaled_and_marked
 
     other = timings.rates("multitask", at)
     assert other.scaled and other.source.startswith("scaled: seqft's rates") and other.step_s == own.step_s
-    assert timings.rates("seqft", ("other model", "bf16", 8, 4, 256, 96)) is None
+    assert timings.rates("seqft", ("other model", "bf16", 8, 4, 256, 96, "trace")) is None
+
+
+def test_a_benchmarks_runs_are_priced_by_its_own_records_only(tmp_path):
+    """Another benchmark's prompts and answer budgets are its own, so TRACE's records do
+    not price a long-sequence run (no estimate until one of its runs is committed), and
+    once one is, its method's family scales from it. Mutation caught: the benchmark left
+    out of the step shape (TRACE's seqft prices long-sequence's)."""
+    _record(tmp_path, "seqft-trace", "seqft", [1.0, 2.0], 0.01)
+    _record(tmp_path, "lora-trace", "lora", [0.5, 1.0], 0.005)
+    long_at = ("m", "bf16", 8, 4, 256, 96, "long-sequence")
+    assert estimate.Timings(tmp_path).rates("seqft", long_at) is None
+    _record(tmp_path, "seqft-long", "seqft", [0.25, 0.25], 0.02, benchmark="long-sequence")
+    timings = estimate.Timings(tmp_path)
+    assert timings.rates("seqft", long_at).step_s == {"A": 0.25, "B": 0.25}
+    lora = timings.rates("lora", long_at)  # seqft's ratio between them: a step (1/4 + 1/8) / 2, a token 2x
+    assert lora.scaled and lora.step_s == pytest.approx({"A": 0.5 * 0.1875, "B": 1.0 * 0.1875})
+    assert lora.token_s == pytest.approx(0.01)
 
 
 def test_dry_run_prints_the_scale_and_marks_an_unscaled_estimate(trace_dir, tmp_path, rate_here, capsys):

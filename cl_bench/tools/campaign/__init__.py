@@ -60,7 +60,7 @@ def _hours(entry: Entry, record: dict | None, config, method_args,
         return None, f"no estimate: {e}", False
     rates = timings.rates(config.method, work.at)
     if rates is None:
-        return None, f"no estimate: no complete record at this step shape ({work.at[0]}, {work.at[1]})", False
+        return None, f"no estimate: no complete record at this step shape ({work.at[0]}, {work.at[1]}, {work.at[-1]})", False
     done = record.get("stages_done", 0) if record else 0
     zero_done = bool(record and record.get("zero_shot") is not None)
     return work.seconds(rates, done, zero_done) / 3600, rates.source, rates.rough

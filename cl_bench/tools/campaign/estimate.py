@@ -4,7 +4,8 @@ A run's cost is its optimiser steps times the seconds a step of its task took, p
 its generation budget (items scored x each task's max_new_tokens) times the seconds
 a budget token took, both read off complete records of the same method and the same
 step shape (model, train precision, batch and micro-batch, prompt and answer
-lengths; the profile's name and its epochs do not change a step). A method with no
+lengths, and the benchmark: its prompts' lengths and its answers' budgets are its own;
+the profile's name and its epochs do not change a step). A method with no
 such record gets a scaled estimate, marked as one: its record at another shape
 times the ratio between the two shapes of the methods of its family
 (Method.lr_family: an MoE method scales as the MoE methods measured at both do,
@@ -42,7 +43,7 @@ from cl_bench.record import io as results
 def shape(config: dict, train_precision: str) -> tuple:
     t = config["train"]
     return (config["model"], train_precision, t["batch_size"], t["micro_batch_size"], t["max_prompt_len"],
-            t["max_answer_len"])
+            t["max_answer_len"], config.get("data", {}).get("benchmark") or "trace")
 
 
 @dataclass
@@ -299,8 +300,8 @@ def for_run(config, method_args, stages_done: int = 0, zero_shot_done: bool = Fa
         return f"no estimate ({e})"
     rates = Timings(records, records).rates(config.method, work.at) if records.is_dir() else None
     if rates is None:
-        return (f"no estimate (no complete record of this step shape, {work.at[0]} in {work.at[1]}, "
-                f"under {records})")
+        return (f"no estimate (no complete record of this step shape, {work.at[0]} in {work.at[1]} on "
+                f"{work.at[-1]}, under {records})")
     minutes = work.seconds(rates, stages_done, zero_shot_done) / 60
     shown = f"{minutes / 60:.1f} h" if minutes >= 90 else f"{minutes:.0f} min"
     return f"{'~' if rates.rough else ''}{shown} at one thread ({rates.source})"
