@@ -300,10 +300,10 @@ def _add_perf(sub) -> None:
                                     "or a method's step against another's and the passes it needs")
     p.add_argument("what", choices=["generation", "harness", "moe", "upcycle-gap", "deepspeed", "precision", "step",
                                   "zero-shot", "eval-profile", "eval-speed", "train-step",
-                                  "gen-throughput", "loss-path"])
+                                  "gen-throughput", "loss-path", "step-options"])
     p.add_argument("--method", help="harness, deepspeed, step: the method whose stage is timed (default: the baseline)")
     p.add_argument("--against", metavar="METHOD", help="step, zero-shot (required): the method it is timed against")
-    p.add_argument("--methods", help="loss-path: the methods timed, comma-separated (default: the baseline)")
+    p.add_argument("--methods", help="loss-path, step-options: the methods timed, comma-separated (default: the baseline)")
     p.add_argument("--method-arg", action="append", metavar="K=V",
                    help="step, deepspeed: an argument of --method (repeatable)")
     p.add_argument("--ranks", default="1", metavar="N[,N...]",
@@ -322,7 +322,8 @@ def _add_perf(sub) -> None:
     p.add_argument("--data-dir", help="the benchmark's data folder (default: its own, TRACE's $CL_BENCH_DATA)")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"],
                    help="eval-profile, eval-speed: the eval precision (default: the cpu profile's); "
-                        "deepspeed: the training precision of both backends (default fp32)")
+                        "deepspeed: the training precision of both backends (default fp32); step-options: the "
+                        "training precision (default: the cpu profile's)")
     p.add_argument("--baseline", choices=["plain", "growing-cache"], default="plain",
                    help="eval-speed: the decoder's baseline: the plain loop it replaced, or itself with "
                         "transformers' growing KV cache")

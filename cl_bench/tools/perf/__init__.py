@@ -14,6 +14,8 @@ device.py    train-step (median step and MFU against the device's peak), gen-thr
              (tokens a second of each generator installed), on CUDA where visible
 loss_path.py loss-path (training steps with vocabulary logits at the answer positions only
              against every position, per method, on the same batches)
+step_options.py step-options (the optimiser step's loop against foreach and fused
+             AdamW; frozen weights cast to bf16 once against at every forward)
 step.py      step (one optimiser step of a method against another's, and the passes
              it needs, each timed alone on the same batches)
 
@@ -38,6 +40,7 @@ from cl_bench.tools.perf import loss_path
 from cl_bench.tools.perf import moe
 from cl_bench.tools.perf import precision
 from cl_bench.tools.perf import step
+from cl_bench.tools.perf import step_options
 from cl_bench.tools.perf import zero_cost
 
 MEASUREMENTS: dict[str, Callable[[Any], dict]] = {
@@ -49,6 +52,7 @@ MEASUREMENTS: dict[str, Callable[[Any], dict]] = {
     "precision": precision.precision_benchmark,
     "step": step.step,
     "loss-path": loss_path.loss_path,
+    "step-options": step_options.step_options,
     "zero-shot": harness.zero_shot,
     "eval-profile": eval_profile.eval_profile,
     "eval-speed": eval_profile.eval_speed,
@@ -57,7 +61,8 @@ MEASUREMENTS: dict[str, Callable[[Any], dict]] = {
 }
 # TRACE's tasks or order each measurement reads by default (the others: one task, NumGLUE-ds)
 DEFAULT_TASK = {"upcycle-gap": "paper6", "zero-shot": "paper6", "eval-profile": "paper6", "eval-speed": "paper6",
-                "step": "Py150,NumGLUE-ds", "deepspeed": zero_cost.DEFAULT_TASK, "loss-path": "Py150,NumGLUE-ds"}
+                "step": "Py150,NumGLUE-ds", "deepspeed": zero_cost.DEFAULT_TASK, "loss-path": "Py150,NumGLUE-ds",
+                "step-options": "Py150,NumGLUE-ds"}
 NO_TASKS = ("moe",)  # synthetic: reads no benchmark
 OWN_ORDER = ("precision",)  # reads the `cpu` profile's order and sizes of the benchmark
 NEEDS_AGAINST = ("step", "zero-shot")  # measurements of --method against another method

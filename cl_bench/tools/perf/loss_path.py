@@ -9,9 +9,10 @@ replay buffer; B is the timed stage, on the `cpu` profile's settings (batch size
 lengths, train precision) with `--n` items. Each side runs stage B through the torch
 backend from a fresh copy of the model (`perf step`'s `begun`), so both sides see the
 same batches, replay draws and weights; each step's time comes from the step log's
-timestamps (the first from the stage's start). Repeats alternate which side goes
-first; medians over repeats and steps, and new over old as a ratio of medians (below 1:
-the new path is faster).
+timestamps (the first from the stage's start), and so does its CPU time (the process's, all its threads: what a shared machine's
+other work disturbs least). Repeats alternate which side goes first; medians over
+repeats and steps, and new over old as a ratio of medians (below 1: the new path is
+faster), of wall seconds and of CPU seconds.
 
 Peak memory: on CUDA the allocator's peak; on the CPU the process's resident set
 sampled every 10 ms during the side's stage, above its level at the start (freed heap
@@ -97,21 +98,23 @@ def loss_path(args) -> dict:
     answer = sum(int((m["labels"][:, 1:] != IGNORE).sum()) for m in micro)
     padded = sum(m["input_ids"].numel() for m in micro)
 
-    def stage(name: str, side: str) -> tuple[list[float], int, list[float]]:
+    def stage(name: str, side: str) -> tuple[list[float], int, list[float], list[float]]:
         torch.manual_seed(config.seed)  # what setup and the hooks draw (router rows ...): the same on both sides
         method, optimizer, st = begun(name, config, loaded, tasks, encoder, {})
-        marks, lm = [], []
+        marks, cpu, lm = [], [], []
 
         def on_step(s, parts):
             marks.append(time.perf_counter())
+            cpu.append(time.process_time())
             lm.append(parts.get("lm"))
 
         paths = losses.all_positions() if side == "old" else contextlib.nullcontext()
         with paths, PeakMemory(device) as peak:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             backend.train_stage(method, optimizer, st, [rows], pad, on_step,
                                 replay_rows if method.uses_replay else None)
-        return [b - a for a, b in zip([t0, *marks], marks)], peak.peak, lm
+        return ([b - a for a, b in zip([t0, *marks], marks)], peak.peak, lm,
+                [b - a for a, b in zip([c0, *cpu], cpu)])
 
     before = machine()
     out: dict[str, dict] = {}
@@ -122,19 +125,22 @@ def loss_path(args) -> dict:
             for side in (SIDES if r % 2 == 0 else SIDES[::-1]):
                 runs[side].append(stage(name, side))
         median = {s: statistics.median(x for run in runs[s] for x in run[0]) for s in SIDES}
+        median_cpu = {s: statistics.median(x for run in runs[s] for x in run[3]) for s in SIDES}
         peak = {s: max(run[1] for run in runs[s]) for s in SIDES}
         lm = {s: runs[s][0][2] for s in SIDES}
         out[name] = {
             "step_s": {s: [run[0] for run in runs[s]] for s in SIDES},
             "median_step_s": median, "new_over_old": median["new"] / median["old"],
             "speed_up": median["old"] / median["new"],
+            "cpu_step_s": {s: [run[3] for run in runs[s]] for s in SIDES},
+            "median_cpu_step_s": median_cpu, "cpu_speed_up": median_cpu["old"] / median_cpu["new"],
             "peak_memory_mib": {s: round(peak[s] / 2**20, 1) for s in SIDES},
             "lm_per_step": lm,
             "lm_max_rel_diff": max((abs(a - b) / max(abs(a), 1e-30) for a, b in zip(lm["old"], lm["new"])
                                     if a is not None and b is not None), default=None),
         }
         print(f"{name}: old {median['old']:.3f} s, new {median['new']:.3f} s a step "
-              f"({median['old'] / median['new']:.3f}x)", flush=True)
+              f"({median['old'] / median['new']:.3f}x; CPU {median_cpu['old'] / median_cpu['new']:.3f}x)", flush=True)
     return {
         "what": "loss-path", "model": args.model, "profile": "cpu", "precision": backend.train_precision,
         "tasks": [x.name for x in tasks], "items_per_task": args.n, "timed_stage": tasks[1].name,

@@ -174,7 +174,37 @@ def test_loss_path_times_both_paths_on_the_same_batches(trace_dir, tmp_path, mon
     assert 0 < rec["answer_share"] < 1 and rec["steps"] == 1
     for name in ("seqft", "upcycle"):
         m = rec["methods"][name]
-        assert set(m["median_step_s"]) == {"old", "new"} and m["speed_up"] > 0
+        assert set(m["median_step_s"]) == {"old", "new"} and m["speed_up"] > 0 and m["cpu_speed_up"] > 0
         assert m["lm_max_rel_diff"] < 1e-4  # bf16: the head over other rows may round otherwise
         assert set(m["peak_memory_mib"]) == {"old", "new"}
     assert len(entered) == 2  # one old side a method and repeat
+
+
+def test_step_options_times_the_optimisers_and_the_frozen_cast_on_one_step(trace_dir, tmp_path):
+    """The optimiser step three ways over the method's trainable parameters, and (bf16,
+    pinned: auto would let the CPU decide) the task pass with the frozen linear weights
+    cast once: only a method with frozen linears gets that side, counting the frozen
+    linear weights but not the tied embedding or what trains; the cast leaves the loss
+    exactly as autocast makes it; the fused kernel drifts from the loop by rounding only.
+    Mutations caught: a trainable weight counted as frozen, the cast side given to a
+    method that freezes nothing. (tiny-llama's head is not tied to its embedding, so the
+    tied weight's exclusion is not exercised here.)"""
+    from cl_bench.models.loading import load
+
+    out = tmp_path / "options.json"
+    assert run_cli("perf", "step-options", "--model", "tiny-llama", "--methods", "seqft,lora", "--task",
+                   "Py150,NumGLUE-cm", "--n", "8", "--repeats", "1", "--precision", "bf16",
+                   "--data-dir", str(trace_dir), "--output", str(out)) == 0
+    rec = json.loads(out.read_text())
+    assert rec["command"].startswith("cl-bench perf step-options") and rec["precision"] == "bf16"
+    seqft, lora = rec["methods"]["seqft"], rec["methods"]["lora"]
+    for m in (seqft, lora):
+        assert set(m["optimiser_step"]) == {"loop", "foreach", "fused"}
+        assert m["fused_max_rel_drift_3_steps"] < 1e-5 and m["step_as_run"]["cpu_s"] > 0
+    assert seqft["frozen_linear_params"] == 0 and "cast_once_over_autocast" not in seqft
+    model = load("tiny-llama", 1234, progress=False).model
+    tied = model.get_input_embeddings().weight
+    linears = sum(m.weight.numel() for m in model.modules()
+                  if isinstance(m, torch.nn.Linear) and m.weight is not tied)
+    assert lora["frozen_linear_params"] == linears
+    assert lora["cast_once_losses_equal"] is True and set(lora["task_pass"]) == {"autocast", "cast once"}
