@@ -304,6 +304,8 @@ def _add_perf(sub) -> None:
     p.add_argument("--method", help="harness, deepspeed, step: the method whose stage is timed (default: the baseline)")
     p.add_argument("--against", metavar="METHOD", help="step, zero-shot (required): the method it is timed against")
     p.add_argument("--methods", help="loss-path, step-options: the methods timed, comma-separated (default: the baseline)")
+    p.add_argument("--before", action="store_true",
+                   help="loss-path: the old side is the whole step before issue 53 (also AdamW's per-parameter loop)")
     p.add_argument("--method-arg", action="append", metavar="K=V",
                    help="step, deepspeed: an argument of --method (repeatable)")
     p.add_argument("--ranks", default="1", metavar="N[,N...]",

@@ -17,7 +17,7 @@ def test_seqft_over_two_stages_is_one_uninterrupted_adamw_run():
 
     SeqFT trains 3 steps on task 0, then 3 on task 1, through the hooks; a plain
     AdamW with the method's settings over the same 6 batches, never rebuilt, ends
-    at bit-identical weights. Stage 1 gets the very optimiser stage 0 used, its
+    at bit-identical weights (both fused: the harness's AdamW on the CPU). Stage 1 gets the very optimiser stage 0 used, its
     step count continuing at 4. With moments reset, stage 1's first update is
     lr·sign(g) again (Adam's bias correction from step 1) and the weights differ."""
     method = make_method("seqft", lr=1e-3)
@@ -36,7 +36,7 @@ def test_seqft_over_two_stages_is_one_uninterrupted_adamw_run():
         method.after_task(stage)
     a = twin.args
     adam = torch.optim.AdamW([p for p in twin.model.parameters() if p.requires_grad], lr=a.lr,
-                             betas=(a.beta1, a.beta2), weight_decay=a.weight_decay)
+                             betas=(a.beta1, a.beta2), weight_decay=a.weight_decay, fused=True)
     for batch in batches:
         for _ in range(3):
             adam.zero_grad(set_to_none=True)
@@ -46,6 +46,22 @@ def test_seqft_over_two_stages_is_one_uninterrupted_adamw_run():
     assert optimizer.state[p0]["step"] == 6
     for (n, p), q in zip(method.model.named_parameters(), twin.model.parameters()):
         assert torch.equal(p, q), f"{n} differs from the uninterrupted AdamW run"
+
+
+def test_adamw_runs_the_fused_kernel_unless_asked_for_the_loop_before_it():
+    """The harness's AdamW runs torch's fused kernel on the CPU (issue 53: 3.7x the
+    per-parameter loop torch picks there); `per_parameter_adamw()` gives the loop back,
+    for `perf loss-path --before`, and only within. Mutations caught: fused dropped from
+    Method.make_optimizer, the context ignored, or left on after it."""
+    from cl_bench.method import per_parameter_adamw
+
+    method = make_method("seqft", lr=1e-3)
+    stage = distinct_stages(1)[0]
+    method.before_task(stage)
+    assert method.optimizer_for_stage(stage, None).defaults["fused"] is True
+    with per_parameter_adamw():
+        assert not method.optimizer_for_stage(stage, None).defaults["fused"]
+    assert method.optimizer_for_stage(stage, None).defaults["fused"] is True
 
 
 def test_a_changed_trainable_set_gets_a_new_optimiser_carrying_the_kept_parameters_state():
@@ -79,7 +95,8 @@ def test_a_changed_trainable_set_gets_a_new_optimiser_carrying_the_kept_paramete
     step(model, opt1)
 
     a = method.args
-    ref0 = torch.optim.AdamW(twin.parameters(), lr=a.lr, betas=(a.beta1, a.beta2), weight_decay=a.weight_decay)
+    ref0 = torch.optim.AdamW(twin.parameters(), lr=a.lr, betas=(a.beta1, a.beta2), weight_decay=a.weight_decay,
+                             fused=True)  # as the harness's on the CPU
     step(twin, ref0)
     twin[1].requires_grad_(False)
     step(twin, ref0)  # the frozen layer has no gradient: AdamW leaves it

@@ -2,7 +2,9 @@
 positions only (cl_bench/losses.py, issue 53) against the path before (logits at every
 position, `losses.all_positions()`), on the same batches, for each of `--methods`
 (comma-separated; default the baseline: the core names no method, so the figures'
-command names them, e.g. `--methods seqft,lora,upcycle,bilevel-cka`).
+command names them, e.g. `--methods seqft,lora,upcycle,bilevel-cka`). `--before`: the
+old side is the whole step before issue 53, AdamW's per-parameter loop too
+(`method.per_parameter_adamw()`) where the new side runs the fused kernel.
 
 `--task A,B` as `perf step`: A is stage 0 (its hooks run, nothing trains) and fills the
 replay buffer; B is the timed stage, on the `cpu` profile's settings (batch sizes,
@@ -33,6 +35,7 @@ import torch
 
 from cl_bench import losses, registry
 from cl_bench.data.encode import IGNORE, epoch_order, steps
+from cl_bench.method import per_parameter_adamw
 from cl_bench.run.machine import machine
 from cl_bench.tools.perf.step import begun, two_stages
 
@@ -100,19 +103,20 @@ def loss_path(args) -> dict:
 
     def stage(name: str, side: str) -> tuple[list[float], int, list[float], list[float]]:
         torch.manual_seed(config.seed)  # what setup and the hooks draw (router rows ...): the same on both sides
-        method, optimizer, st = begun(name, config, loaded, tasks, encoder, {})
-        marks, cpu, lm = [], [], []
+        old = side == "old"
+        with per_parameter_adamw() if old and args.before else contextlib.nullcontext():
+            method, optimizer, st = begun(name, config, loaded, tasks, encoder, {})
+            marks, cpu, lm = [], [], []
 
-        def on_step(s, parts):
-            marks.append(time.perf_counter())
-            cpu.append(time.process_time())
-            lm.append(parts.get("lm"))
+            def on_step(s, parts):
+                marks.append(time.perf_counter())
+                cpu.append(time.process_time())
+                lm.append(parts.get("lm"))
 
-        paths = losses.all_positions() if side == "old" else contextlib.nullcontext()
-        with paths, PeakMemory(device) as peak:
-            t0, c0 = time.perf_counter(), time.process_time()
-            backend.train_stage(method, optimizer, st, [rows], pad, on_step,
-                                replay_rows if method.uses_replay else None)
+            with losses.all_positions() if old else contextlib.nullcontext(), PeakMemory(device) as peak:
+                t0, c0 = time.perf_counter(), time.process_time()
+                backend.train_stage(method, optimizer, st, [rows], pad, on_step,
+                                    replay_rows if method.uses_replay else None)
         return ([b - a for a, b in zip([t0, *marks], marks)], peak.peak, lm,
                 [b - a for a, b in zip([c0, *cpu], cpu)])
 
@@ -142,7 +146,8 @@ def loss_path(args) -> dict:
         print(f"{name}: old {median['old']:.3f} s, new {median['new']:.3f} s a step "
               f"({median['old'] / median['new']:.3f}x; CPU {median_cpu['old'] / median_cpu['new']:.3f}x)", flush=True)
     return {
-        "what": "loss-path", "model": args.model, "profile": "cpu", "precision": backend.train_precision,
+        "what": "loss-path", "model": args.model,
+        "old": "every position" + (", AdamW's per-parameter loop" if args.before else ""), "profile": "cpu", "precision": backend.train_precision,
         "tasks": [x.name for x in tasks], "items_per_task": args.n, "timed_stage": tasks[1].name,
         "steps": len(out[methods[0]]["step_s"]["old"][0]), "repeats": args.repeats,
         "batch_size": t.batch_size, "micro_batch_size": t.micro_batch_size,

@@ -155,8 +155,10 @@ def test_loss_path_times_both_paths_on_the_same_batches(trace_dir, tmp_path, mon
     """Each method's stage with logits at the answer positions against every position:
     both sides' steps timed, their losses equal to float rounding (the same batches and
     weights), the peak memory and the machine named, the command line inside. Mutation
-    caught: both sides run the same path (the old side without all_positions())."""
+    caught: both sides run the same path (the old side without all_positions()); --before
+    not giving the old side AdamW's per-parameter loop."""
     from cl_bench import losses
+    from cl_bench.method import Method
 
     entered, real = [], losses.all_positions
 
@@ -165,9 +167,18 @@ def test_loss_path_times_both_paths_on_the_same_batches(trace_dir, tmp_path, mon
         return real()
 
     monkeypatch.setattr(losses, "all_positions", counted)
+    fused = []
+    real_make = Method.make_optimizer
+
+    def noted(self, groups):
+        optimizer = real_make(self, groups)
+        fused.append(bool(optimizer.defaults["fused"]))
+        return optimizer
+
+    monkeypatch.setattr(Method, "make_optimizer", noted)
     out = tmp_path / "loss-path.json"
     assert run_cli("perf", "loss-path", "--model", "tiny-llama", "--methods", "seqft,upcycle", "--task",
-                   "Py150,NumGLUE-cm", "--n", "8", "--repeats", "1", "--data-dir", str(trace_dir),
+                   "Py150,NumGLUE-cm", "--n", "8", "--repeats", "1", "--before", "--data-dir", str(trace_dir),
                    "--output", str(out)) == 0
     rec = json.loads(out.read_text())
     assert rec["command"].startswith("cl-bench perf loss-path") and rec["machine"]["cpu"]
@@ -178,6 +189,8 @@ def test_loss_path_times_both_paths_on_the_same_batches(trace_dir, tmp_path, mon
         assert m["lm_max_rel_diff"] < 1e-4  # bf16: the head over other rows may round otherwise
         assert set(m["peak_memory_mib"]) == {"old", "new"}
     assert len(entered) == 2  # one old side a method and repeat
+    assert rec["old"] == "every position, AdamW's per-parameter loop"
+    assert False in fused and True in fused  # --before: the old side's optimiser is the loop, the new side's fused
 
 
 def test_step_options_times_the_optimisers_and_the_frozen_cast_on_one_step(trace_dir, tmp_path):
