@@ -59,7 +59,9 @@ def _add_run(sub) -> None:
     p.add_argument("--set", type=_kv, action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="any config field, e.g. train.epochs=2 (repeatable)")
     p.add_argument("--tuned", action="store_true",
-                   help="the method's arguments from configs/tuned/<profile>.yaml (`cl-bench tune choose`); "
+                   help="the method's arguments from the benchmark's tuned file of the profile, "
+                        "configs/tuned/<profile>.yaml (TRACE) or configs/tuned/<benchmark>/<profile>.yaml "
+                        "(`cl-bench tune choose`); "
                         "the record names the file's commit")
     p.add_argument("--eval-all", action="store_true",
                    help="evaluate every task at every stage plus a zero-shot row (for FWT)")
@@ -276,14 +278,16 @@ def _add_tune(sub) -> None:
     p = sub.add_parser("tune", help="the tuning protocol: plan the tuning runs (eval split), apply the rule, "
                                     "plan the finals, the sensitivity view and the tuned leaderboard",
                        description="Every ranked method tuned by a rule written before the runs, on the eval "
-                                   "split (docs/tuning.md). GRID is the grid file, configs/tuning/<profile>.yaml.")
+                                   "split (docs/tuning.md). GRID is the grid file, configs/tuning/<profile>.yaml "
+                                   "(another benchmark's: configs/tuning/<benchmark>/<profile>.yaml).")
     p.add_argument("action", choices=TUNE_ACTIONS)
     p.add_argument("grid", type=Path, metavar="GRID")
     p.add_argument("--records", type=Path, default=Path("results"),
                    help="the run records (relative to the working directory, the repository root; default results)")
     p.add_argument("--out", type=Path,
                    help="plan, finals: the plan file (default: print it); choose: the tuned file (default "
-                        "configs/tuned/<profile>.yaml); sensitivity: a folder for sensitivity.md, .png, .json")
+                        "the grid's benchmark's, configs/tuned/[<benchmark>/]<profile>.yaml); sensitivity: a "
+                        "folder for sensitivity.md, .png, .json")
     p.add_argument("--view", choices=["tuned", "shared"], default="tuned",
                    help="leaderboard: the tuned rows (default) or each method at the arguments it has without any")
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB",

@@ -152,12 +152,13 @@ def resolve(profile: str, config_file: Path | None, overrides: dict[str, Any]) -
     profile = overrides.get("profile") or file_raw.get("profile") or profile
     if profile not in PROFILES:
         raise UserError(f"unknown profile '{profile}'; {did_you_mean(profile, PROFILES)}available: {', '.join(PROFILES)}")
-    raw = merge({"profile": profile, **profile_fields(profile, _benchmark_of(file_raw, overrides))}, file_raw)
+    benchmark = _benchmark_of(file_raw, overrides)
+    raw = merge({"profile": profile, **profile_fields(profile, benchmark)}, file_raw)
     raw = merge(raw, overrides)
     if str(raw.get("tuned")).lower() in ("true", "yes", "on", "1"):  # --tuned, `tuned: true`, --set tuned=true
         raw["tuned"] = True
     elif raw.get("tuned") is not None:
         raise UserError(f"tuned={raw['tuned']!r}: give true (--tuned); the tuned file and its commit are filled in")
-    if raw.get("tuned") is True:  # the method's arguments from the tuned file
-        raw = config_tuned.apply(raw, profile)
+    if raw.get("tuned") is True:  # the method's arguments from the benchmark's tuned file
+        raw = config_tuned.apply(raw, profile, benchmark)
     return build(raw, str(config_file) if config_file else "command line")

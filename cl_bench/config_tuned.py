@@ -1,12 +1,19 @@
-"""The tuned file, configs/tuned/<profile>.yaml (`cl-bench tune choose` writes it:
+"""The tuned file of a benchmark and profile (`cl-bench tune choose` writes it:
 cl_bench/tools/tuning/rule.py), read for a run.
 
+A tuned value is chosen on one benchmark's eval split and belongs to it, so each
+benchmark has its own files: TRACE's configs/tuned/<profile>.yaml (where they were
+before benchmarks were plugins), another's configs/tuned/<benchmark>/<profile>.yaml,
+<benchmark> its registered name, or the `name` a folder's benchmark.yaml declares
+(else the folder's own name). A benchmark without its file is refused, never given
+TRACE's. Their grids follow the same layout under configs/tuning/.
+
 `cl-bench run --tuned` (a config file's `tuned: true`): the method's arguments come
-from the file of the run's profile, under the run's own --method-arg (an argument
-both give is refused), and the run's config records `tuned:
-configs/tuned/<profile>.yaml@<commit of the file>`; a file that is not committed,
-or has uncommitted changes, is refused, since the record could not name it.
-cl_bench/config.py's resolve calls `apply`.
+from the file of the run's benchmark and profile, under the run's own --method-arg
+(an argument both give is refused), and the run's config records `tuned: <the
+file>@<commit of the file>`; a file that is not committed, or has uncommitted
+changes, is refused, since the record could not name it. cl_bench/config.py's
+resolve calls `apply`.
 """
 from __future__ import annotations
 
@@ -16,14 +23,49 @@ from pathlib import Path
 import yaml
 
 from cl_bench import registry
+from cl_bench.benchmark import DEFAULT as DEFAULT_BENCHMARK
 from cl_bench.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout whose code runs: the file is read from it
 FOLDER = Path("configs") / "tuned"
+GRIDS = Path("configs") / "tuning"
 
 
-def path_for(profile: str) -> Path:
-    return ROOT / FOLDER / f"{profile}.yaml"
+def benchmark_name(benchmark: str) -> str:
+    """The name a benchmark's tuned files are kept under (module docstring); `benchmark`
+    as a run or grid gives it: a registered name or a folder holding benchmark.yaml."""
+    bench = registry.get_benchmark(benchmark)
+    if "/" in bench.name or bench.name.startswith("."):
+        raise UserError(f"{benchmark}: its name {bench.name!r} cannot name the folder of its tuned files; give "
+                        f"it a plain `name:` in its benchmark.yaml")
+    if registry.benchmarks().get(bench.name, bench) is not bench:
+        raise UserError(f"{benchmark}: declares the name '{bench.name}' of a registered benchmark, whose tuned "
+                        f"files are not its own; give it its own `name:` in its benchmark.yaml")
+    return bench.name
+
+
+def keyed(folder: Path, profile: str, benchmark: str = DEFAULT_BENCHMARK) -> Path:
+    """<folder>/<profile>.yaml for TRACE, <folder>/<benchmark>/<profile>.yaml for another."""
+    name = benchmark_name(benchmark)
+    return (folder if name == DEFAULT_BENCHMARK else folder / name) / f"{profile}.yaml"
+
+
+def path_for(profile: str, benchmark: str = DEFAULT_BENCHMARK) -> Path:
+    """The tuned file of the benchmark and profile, in the checkout whose code runs."""
+    return ROOT / keyed(FOLDER, profile, benchmark)
+
+
+def read(profile: str, benchmark: str = DEFAULT_BENCHMARK) -> tuple[Path, dict[str, dict]]:
+    """The benchmark's tuned file of the profile and its methods (`load`); a benchmark
+    other than TRACE without its file is refused, never given TRACE's."""
+    name, path = benchmark_name(benchmark), path_for(profile, benchmark)
+    if name != DEFAULT_BENCHMARK and not path.is_file():
+        raise UserError(f"{path.relative_to(ROOT)}: no tuned file of benchmark {name} for profile {profile} "
+                        f"({path_for(profile).relative_to(ROOT)} is TRACE's, chosen on TRACE's eval split); tune "
+                        f"it on {name}'s eval split: a grid naming `benchmark: {benchmark}` "
+                        f"({keyed(GRIDS, profile, benchmark)}), `cl-bench tune plan` it, run the plan, then "
+                        f"`cl-bench tune choose` it")
+    return path, load(path)
 
 
 def load(path: Path) -> dict[str, dict]:
@@ -56,14 +98,13 @@ def file_commit(path: Path) -> str:
     return commit
 
 
-def apply(raw: dict, profile: str) -> dict:
+def apply(raw: dict, profile: str, benchmark: str = DEFAULT_BENCHMARK) -> dict:
     """The config fields with the tuned arguments of the method merged in (module docstring)."""
     method = registry.get(raw.get("method") or registry.baseline()).name
-    path = path_for(profile)
-    args = load(path)
+    path, args = read(profile, benchmark)
     if method not in args:
-        raise UserError(f"{path}: no tuned arguments for {method}; tune it (add it to configs/tuning/"
-                        f"{profile}.yaml) or run it without --tuned")
+        raise UserError(f"{path}: no tuned arguments for {method}; tune it (add it to "
+                        f"{keyed(GRIDS, profile, benchmark)}) or run it without --tuned")
     given = dict(raw.get("method_args") or {})
     both = sorted(set(given) & set(args[method]))
     if both:

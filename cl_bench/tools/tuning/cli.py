@@ -2,7 +2,8 @@
 their flags are in cl_bench/cli_parser.py).
 
   plan         the plan of tuning runs, for `cl-bench campaign` (eval split only)
-  choose       the rule over the finished tuning runs -> configs/tuned/<profile>.yaml
+  choose       the rule over the finished tuning runs -> the tuned file of the grid's
+               benchmark and profile (configs/tuned/[<benchmark>/]<profile>.yaml)
   finals       the plan of the finals: each method at its tuned arguments, test split
   sensitivity  Last Acc and BWT at each grid value: a Markdown table and a figure
   leaderboard  the tuned (or the shared-rate) leaderboard of the profile
@@ -31,14 +32,14 @@ def main(args) -> int:
         if args.action == "plan":
             text = plan.tuning_plan(grid, records, rule.decided_rates(grid, records))
         else:
-            tuned_path = config_tuned.path_for(grid.profile)
+            tuned_path, chosen = config_tuned.read(grid.profile, grid.benchmark)
             f = grid.finals
-            text = plan.finals_plan(grid, tuned_path.relative_to(config_tuned.ROOT), config_tuned.load(tuned_path),
-                                    records, f.output, f.seeds, f.seeded)
+            text = plan.finals_plan(grid, tuned_path.relative_to(config_tuned.ROOT), chosen, records, f.output,
+                                    f.seeds, f.seeded)
         _emit(args.out, text, atomic_write_text)
         return 0
     if args.action == "choose":
-        out = args.out or config_tuned.path_for(grid.profile)
+        out = args.out or config_tuned.path_for(grid.profile, grid.benchmark)
         rule.write(out, rule.choose(grid, records), args.command_line)
         print(out)
         return 0
@@ -55,10 +56,9 @@ def main(args) -> int:
         _readme(args, text, "sensitivity")
         return 0
     runs = leaderboard.load_runs(args.records, args.exclude)
-    shared = tuned.expected_args({m: {} for m in grid.methods}, grid.profile)
-    chosen = config_tuned.path_for(grid.profile)
+    shared = tuned.expected_args({m: {} for m in grid.methods}, grid.profile, grid.benchmark)
     if args.action == "leaderboard":
-        wanted = shared if args.view == "shared" else tuned.expected_args(config_tuned.load(chosen), grid.profile)
+        wanted = shared if args.view == "shared" else _at_tuned(grid)
         table = leaderboard.format_table(
             leaderboard.build_table(tuned.select(runs, wanted, grid.profile, grid.benchmark)), "md")
         print(table, end="")
@@ -66,11 +66,19 @@ def main(args) -> int:
         return 0
     if args.top < 1:
         raise UserError(f"--top {args.top} must be at least 1")
-    at_tuned = tuned.expected_args(config_tuned.load(chosen), grid.profile)
+    at_tuned = _at_tuned(grid)
     print(sensitivity.format_verdict(sensitivity.verdict(tuned.select(runs, shared, grid.profile, grid.benchmark),
                                                          tuned.select(runs, at_tuned, grid.profile, grid.benchmark),
                                                          args.top)), end="")
     return 0
+
+
+def _at_tuned(grid) -> dict[str, dict]:
+    """Method -> its full arguments at the grid's benchmark's tuned file."""
+    from cl_bench import config_tuned
+    from cl_bench.tools.tuning import tuned
+
+    return tuned.expected_args(config_tuned.read(grid.profile, grid.benchmark)[1], grid.profile, grid.benchmark)
 
 
 def _emit(out: Path | None, text: str, write) -> None:

@@ -1,5 +1,5 @@
-"""The grid file of the tuning protocol, `configs/tuning/<profile>.yaml`, written
-before any tuning run:
+"""The grid file of the tuning protocol, `configs/tuning/<profile>.yaml` (another
+benchmark's: `configs/tuning/<benchmark>/<profile>.yaml`), written before any tuning run:
 
     profile: cpu
     benchmark: trace                       # optional (default trace): whose tasks the order names
@@ -19,7 +19,8 @@ and `cl-bench campaign` refuses a tuning plan with a line that scores the test s
 (plan.TUNING_MARK). The strength is tuned after the rate, at the chosen rate.
 The order's tasks are the benchmark's (the registry's; none whose eval split is its
 train copy, `Benchmark.eval_is_train`: TRACE's MeetingBank); a grid of a benchmark
-other than TRACE passes it to every run (`--benchmark`).
+other than TRACE passes it to every run (`--benchmark`), and its tuned file is that
+benchmark's (cl_bench/config_tuned.py: configs/tuned/<benchmark>/<profile>.yaml).
 """
 from __future__ import annotations
 
@@ -80,13 +81,17 @@ class Grid:
     output: Path
     methods: dict[str, MethodGrid]
     finals: Finals
-    benchmark: str = DEFAULT_BENCHMARK
+    benchmark: str = DEFAULT_BENCHMARK  # as the grid names it (a folder benchmark: its folder), for --benchmark
+
+    def run_flags(self, method: str) -> list[str]:
+        """`cl-bench run` flags of every run of the method: the profile, the method, and the
+        benchmark where it is not TRACE."""
+        benchmark = ["--benchmark", self.benchmark] if self.benchmark != DEFAULT_BENCHMARK else []
+        return ["--profile", self.profile, "--method", method, *benchmark]
 
     def flags(self, method: str, args: dict[str, float]) -> list[str]:
         """`cl-bench run` flags of one grid point: always the eval split."""
-        out = ["--profile", self.profile, "--method", method]
-        if self.benchmark != DEFAULT_BENCHMARK:
-            out += ["--benchmark", self.benchmark]
+        out = self.run_flags(method)
         for key, value in args.items():
             out += ["--method-arg", f"{key}={value:g}"]
         return out + ["--order", ",".join(self.order), "--seed", str(self.seed), "--set", EVAL_SET]
@@ -114,7 +119,8 @@ def _has(values: list[float], value: float) -> bool:
 def load(path: Path) -> Grid:
     """The grid file, checked: one line naming the file, the field and the fix on bad input."""
     from cl_bench import config as cfg
-    from cl_bench import registry
+    from cl_bench import config_tuned, registry
+    from cl_bench.tools.tuning.tuned import default_args
     raw = cfg.load_yaml(path)
     unknown = sorted(set(raw) - {"profile", "benchmark", "order", "seed", "rule", "output", "methods", "finals"})
     if unknown:
@@ -125,11 +131,12 @@ def load(path: Path) -> Grid:
         raise _fail(path, "profile", "give the profile the grid tunes, e.g. cpu")
     if raw.get("rule") not in RULES:
         raise _fail(path, "rule", f"{raw.get('rule')!r} is not a rule; the rules: {', '.join(RULES)}")
-    name = raw.get("benchmark", DEFAULT_BENCHMARK)
-    if not isinstance(name, str) or not name:
-        raise _fail(path, "benchmark", f"{name!r} must be a benchmark's name (`cl-bench list --benchmarks`)")
+    benchmark = raw.get("benchmark", DEFAULT_BENCHMARK)
+    if not isinstance(benchmark, str) or not benchmark:
+        raise _fail(path, "benchmark", f"{benchmark!r} must be a benchmark's name (`cl-bench list --benchmarks`)")
     try:
-        bench = registry.get_benchmark(name)
+        bench = registry.get_benchmark(benchmark)
+        config_tuned.benchmark_name(benchmark)  # a name its tuned file cannot have: refused before any run
     except UserError as e:
         raise _fail(path, "benchmark", str(e)) from None
     order = raw.get("order")
@@ -158,7 +165,7 @@ def load(path: Path) -> Grid:
         if not isinstance(spec, dict) or "lr" not in spec or set(spec) - {"lr", "strength"}:
             raise _fail(path, where, "give {lr: [...]} and, optionally, strength: {ARGUMENT: [...]}")
         lrs = _values(path, f"{where}.lr", spec["lr"])
-        base_lr = cls.parse_args(cls.args_for(cfg.resolve(profile, None, {"method": cls.name}))).lr
+        base_lr = default_args(cls.name, profile, benchmark)["lr"]
         if not _has(lrs, base_lr):
             raise _fail(path, f"{where}.lr", f"{lrs} lacks the base rate {base_lr:g} (the shared-rate "
                                              f"leaderboard's); add it")
@@ -179,7 +186,7 @@ def load(path: Path) -> Grid:
                                                              f"{grid.base_strength:g}; add it")
         grids[cls.name] = grid
     return Grid(path, profile, order, seed, raw["rule"], Path(raw["output"]), grids,
-                _finals(path, raw.get("finals"), grids), bench.name)
+                _finals(path, raw.get("finals"), grids), benchmark)
 
 
 def _finals(path: Path, raw, grids: dict[str, MethodGrid]) -> Finals:

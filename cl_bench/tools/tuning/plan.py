@@ -9,10 +9,11 @@ the same method arguments, seed, data, training and decoding budget, trained and
 scored in the precision the run would compute in) is named instead of a new
 folder, so the campaign counts it done.
 
-The finals plan: each method at its tuned arguments (`--tuned`) on the profile's
-own order and test split, at the seeds the grid file's `finals` gives it, with its
-`set` fields (general.lima=64: a probe, which only measures); a seed whose
-committed row fits is named, not re-run.
+The finals plan: each method at its tuned arguments (`--tuned`: the tuned file of the
+grid's benchmark, which every line names where it is not TRACE) on the profile's own
+order and test split, at the seeds the grid file's `finals` gives it, with its `set`
+fields (general.lima=64: a probe, which only measures); a seed whose committed row
+fits is named, not re-run.
 """
 from __future__ import annotations
 
@@ -142,7 +143,7 @@ def finals_plan(grid: Grid, tuned_path: Path, tuned: dict, records: Records, out
                         f"(`cl-bench tune choose {grid.path}`)")
     for method in grid.methods:
         for seed in seeds if method in seeded else seeds[:1]:
-            flags = ["--profile", grid.profile, "--method", method, "--tuned", "--seed", str(seed)]
+            flags = grid.run_flags(method) + ["--tuned", "--seed", str(seed)]
             flags += [arg for pair in grid.finals.sets for arg in ("--set", pair)]
             name = method + ("" if seed == seeds[0] else f"-seed{seed}")
             config, method_args = planned(Entry(output / name, flags, 0))

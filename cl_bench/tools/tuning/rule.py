@@ -1,5 +1,6 @@
 """The rule, applied to finished tuning runs (`cl-bench tune choose GRID`), and the
-file it writes, configs/tuned/<profile>.yaml.
+file it writes, the tuned file of the grid's benchmark and profile: configs/tuned/<profile>.yaml
+for TRACE, configs/tuned/<benchmark>/<profile>.yaml for another (cl_bench/config_tuned.py).
 
 Rule last-acc-keep-base (grid.RULES), per method, the rate first, then its strength
 at the chosen rate: the value with the highest Last Acc on the tuning order (a tie

@@ -1,6 +1,7 @@
 """The tuned leaderboards' runs: which records hold each method at given arguments.
-(The tuned file itself, configs/tuned/<profile>.yaml, is read by cl_bench/config_tuned.py,
-for `cl-bench run --tuned` and here.)
+(The tuned file itself, configs/tuned/<profile>.yaml, or configs/tuned/<benchmark>/<profile>.yaml
+for a benchmark other than TRACE, is read by cl_bench/config_tuned.py, for `cl-bench run
+--tuned` and here.)
 
 `select`: the runs of one leaderboard of a profile: each ranked method at given
 arguments (the tuned file's, or the arguments each method has without any: the
@@ -18,18 +19,19 @@ from cl_bench.benchmark import DEFAULT as DEFAULT_BENCHMARK
 from cl_bench.errors import UserError
 
 
-def default_args(method: str, profile: str) -> dict:
-    """The arguments a method runs with on the profile when none are given."""
-    cls = registry.get(method)
-    return dataclasses.asdict(cls.parse_args(cls.args_for(cfg.resolve(profile, None, {"method": cls.name}))))
+def default_args(method: str, profile: str, benchmark: str = DEFAULT_BENCHMARK) -> dict:
+    """The arguments a method runs with on the profile and benchmark when none are given."""
+    return expected_args({method: {}}, profile, benchmark)[registry.get(method).name]
 
 
-def expected_args(methods: dict[str, dict], profile: str) -> dict[str, dict]:
-    """Method -> the full parsed arguments of a run given `methods[method]` on the profile."""
+def expected_args(methods: dict[str, dict], profile: str, benchmark: str = DEFAULT_BENCHMARK) -> dict[str, dict]:
+    """Method -> the full parsed arguments of a run given `methods[method]` on the profile
+    and benchmark."""
     out = {}
     for method, given in methods.items():
         cls = registry.get(method)
-        config = cfg.resolve(profile, None, {"method": cls.name, "method_args": dict(given)})
+        config = cfg.resolve(profile, None, {"method": cls.name, "method_args": dict(given),
+                                             "data": {"benchmark": benchmark}})
         out[cls.name] = dataclasses.asdict(cls.parse_args(cls.args_for(config)))
     return out
 
@@ -48,7 +50,7 @@ def select(runs: list, args: dict[str, dict], profile: str, benchmark: str = DEF
             cls = registry.get(run.method)
         except UserError:
             continue
-        wanted = default_args(cls.name, profile) if cls.reference else args.get(cls.name)
+        wanted = default_args(cls.name, profile, benchmark) if cls.reference else args.get(cls.name)
         if wanted is not None and run.method_args == wanted:
             keep.append(run)
     return keep
