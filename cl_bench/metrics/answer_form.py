@@ -4,9 +4,9 @@ forgetting of the answer's form, such as "a" where "A" is required).
 
 Which task has which rule is its benchmark's to declare (`Benchmark.answer_forms`;
 TRACE's are in benchmarks/trace/tasks.py, long-sequence's in
-cl_bench/benchmarks/long_sequence.py); a task without a rule has no form share and
-stays out of BWT's format/content split, as does every task of a benchmark that
-declares none.
+cl_bench/benchmarks/long_sequence.py, a task folder's in its benchmark.yaml,
+cl_bench/benchmarks/folder.py); a task without a rule has no form share and stays out
+of BWT's format/content split, as does every task of a benchmark that declares none.
 `rules_of` finds a record's benchmark's rules.
 
 Each rule is a pure function (prediction, prompt) -> bool on the stripped
@@ -83,17 +83,22 @@ def label(labels: Sequence[str], metric: str) -> Rule:
     return rule
 
 
-def rules_of(benchmark: str) -> Mapping[str, Rule]:
-    """The answer-form rules that `benchmark` (a record's name for it) declares, by task;
-    none for a benchmark that declares none or that is not installed here."""
+def rules_of(*benchmarks: str | None) -> Mapping[str, Rule]:
+    """The answer-form rules, by task, of the first of `benchmarks` that names a benchmark
+    here (registry.get_benchmark: a registered name, or a folder holding benchmark.yaml);
+    none where none does, or where that benchmark declares none."""
     from cl_bench import registry
     from cl_bench.errors import UserError
 
-    try:
-        return registry.get_benchmark(benchmark).answer_forms
-    except UserError as e:
-        log.info("answer forms: benchmark %r not found here (%s); its tasks have no form rule", benchmark, e)
-        return {}
+    for name in benchmarks:
+        if name is None:
+            continue
+        try:
+            return registry.get_benchmark(name).answer_forms
+        except UserError as e:
+            log.info("answer forms: benchmark %r not found here (%s)", name, e)
+    log.info("answer forms: none of %s found here; their tasks have no form rule", benchmarks)
+    return {}
 
 
 def well_formed(task: str, predictions: Sequence[str], prompts: Sequence[str],
