@@ -11,7 +11,9 @@ scripts/long.sh does): "Task:<family>\\nDataset:<task>\\n" + the family's
 instruction + "Option: " + the labels of labels.json joined by ", " + " \\n" +
 the sentence + "\\nAnswer:"; COPA has no instruction and no option line. The
 answer is the label; it scores by exact match after O-LoRA's normalisation
-(metric exact_match, cl_bench/metrics/scorers.py).
+(metric exact_match, cl_bench/metrics/scorers.py). Each task's answer form is its
+label set (cl_bench/metrics/answer_form.py, label): a prediction that is one of
+LABELS' strings once normalised so has the form, whatever its content.
 
 Splits: `test` is test.json (the release's dev.json is a copy of it). There is
 no held-out split for model selection, so `eval` is carved from train.json: a
@@ -26,6 +28,7 @@ from pathlib import Path
 
 from cl_bench.benchmark import Benchmark, Example, TaskSpec, read_checked, seeded_order
 from cl_bench.errors import UserError
+from cl_bench.metrics.answer_form import label
 from cl_bench.registry import register_benchmark
 
 # Facts from O-LoRA's repository at commit 07117e1 (github.com/cmnfriend/O-LoRA):
@@ -127,15 +130,17 @@ def _labels(path: Path) -> list[str]:
     return labels
 
 
+TASKS = {t: TaskSpec(name=t, metric="exact_match", max_new_tokens=MAX_NEW_TOKENS, language="en",
+                     description=f"{FAMILY[t]} task {t} from O-LoRA's release; exact match of the label.",
+                     labels=LABELS[t])
+         for t in ORDERS["order4"]}
+
 LONG_SEQUENCE = register_benchmark(LongSequence(
     name="long-sequence", title="long-sequence",
     description="the long sequence of Progressive Prompts and O-LoRA (orders 4-6): text classification; "
                 "exact match of the label",
-    tasks={t: TaskSpec(name=t, metric="exact_match", max_new_tokens=MAX_NEW_TOKENS, language="en",
-                       description=f"{FAMILY[t]} task {t} from O-LoRA's release; exact match of the label.",
-                       labels=LABELS[t])
-           for t in ORDERS["order4"]},
-    orders=ORDERS, default_order="order4", profiles=PROFILES,
+    tasks=TASKS, orders=ORDERS, default_order="order4", profiles=PROFILES,
+    answer_forms={t: label(spec.labels, spec.metric) for t, spec in TASKS.items()},
     default_dirs=("data/long-sequence", "../shared/long-sequence"),
     reference="O-LoRA (github.com/cmnfriend/O-LoRA @07117e1); Razdaibiedina et al., ICLR 2023",
 ))

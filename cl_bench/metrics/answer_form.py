@@ -3,9 +3,11 @@ whatever its content (SAME, ICML 2026: much of continual-learning "forgetting" i
 forgetting of the answer's form, such as "a" where "A" is required).
 
 Which task has which rule is its benchmark's to declare (`Benchmark.answer_forms`;
-TRACE's are in benchmarks/trace/tasks.py); a task without a rule has no form share
-and stays out of BWT's format/content split, as does every task of a benchmark that
-declares none. `rules_of` finds a record's benchmark's rules.
+TRACE's are in benchmarks/trace/tasks.py, long-sequence's in
+cl_bench/benchmarks/long_sequence.py, a task folder's in its benchmark.yaml,
+cl_bench/benchmarks/folder.py); a task without a rule has no form share and stays out
+of BWT's format/content split, as does every task of a benchmark that declares none.
+`rules_of` finds a record's benchmark's rules.
 
 Each rule is a pure function (prediction, prompt) -> bool on the stripped
 prediction, as it is scored:
@@ -18,7 +20,11 @@ prediction, as it is scored:
             is a prediction of at least ECHO_MIN_CHARS characters that appears
             verbatim in the prompt (whitespace collapsed): the model copied the
             input instead of answering it. Shorter copies (a closing bracket, `x`)
-            are ordinary answers and count as well formed.
+            are ordinary answers and count as well formed;
+- label:    one of the task's labels, compared as its metric compares a prediction
+            with its answer (scorers.ANSWER_KEYS): exact_match after O-LoRA's
+            normalisation, so "Entailment." is the label "entailment" (long-sequence);
+            accuracy as it is. Only those metrics compare a whole answer.
 """
 from __future__ import annotations
 
@@ -26,6 +32,8 @@ import logging
 import re
 from collections import Counter
 from typing import Callable, Mapping, Sequence
+
+from cl_bench.metrics.scorers import ANSWER_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -61,17 +69,36 @@ def text(prediction: str, prompt: str) -> bool:
     return not (len(squashed) >= ECHO_MIN_CHARS and squashed in _squash(prompt))
 
 
-def rules_of(benchmark: str) -> Mapping[str, Rule]:
-    """The answer-form rules that `benchmark` (a record's name for it) declares, by task;
-    none for a benchmark that declares none or that is not installed here."""
+def label(labels: Sequence[str], metric: str) -> Rule:
+    """The label rule of a task scored by `metric` (accuracy or exact_match) whose answers
+    are `labels`: the prediction's key under that metric is a label's key."""
+    if metric not in ANSWER_KEYS:
+        raise ValueError(f"a label form needs a metric that compares whole answers ({', '.join(ANSWER_KEYS)}), "
+                         f"not {metric}")
+    key = ANSWER_KEYS[metric]
+    keys = {key(x.strip()) for x in labels}
+
+    def rule(prediction: str, prompt: str) -> bool:
+        return bool(prediction) and key(prediction) in keys
+    return rule
+
+
+def rules_of(*benchmarks: str | None) -> Mapping[str, Rule]:
+    """The answer-form rules, by task, of the first of `benchmarks` that names a benchmark
+    here (registry.get_benchmark: a registered name, or a folder holding benchmark.yaml);
+    none where none does, or where that benchmark declares none."""
     from cl_bench import registry
     from cl_bench.errors import UserError
 
-    try:
-        return registry.get_benchmark(benchmark).answer_forms
-    except UserError as e:
-        log.info("answer forms: benchmark %r not found here (%s); its tasks have no form rule", benchmark, e)
-        return {}
+    for name in benchmarks:
+        if name is None:
+            continue
+        try:
+            return registry.get_benchmark(name).answer_forms
+        except UserError as e:
+            log.info("answer forms: benchmark %r not found here (%s)", name, e)
+    log.info("answer forms: none of %s found here; their tasks have no form rule", benchmarks)
+    return {}
 
 
 def well_formed(task: str, predictions: Sequence[str], prompts: Sequence[str],

@@ -44,7 +44,10 @@ class ItemTable:
             groups.setdefault((row["stage"], col[row["task"]]), []).append(row)
         items: list[list[int] | None] = [None] * len(tasks)
         scores, forms = {}, {}
-        rules = rules_of(record.benchmark)  # the benchmark's to declare; none: no form shares
+        # the benchmark's to declare (none: no form shares), found as the run found it: its
+        # data.benchmark (a task folder's path; the name a folder benchmark records is registered
+        # nowhere), else the record's name for it
+        rules = rules_of(((record.config or {}).get("data") or {}).get("benchmark"), record.benchmark)
         for (b, j), rows in groups.items():
             rows.sort(key=lambda r: r["index"])
             order = [r["index"] for r in rows]

@@ -47,8 +47,8 @@ def py150_postprocess(code: str) -> str:
 # ---- per-item scorers: (prediction, answer, prompt) -> 0-100, inputs stripped ----
 
 
-def _exact(pred: str, ans: str, prompt: str | None) -> float:
-    return 100.0 if pred == ans else 0.0
+def _as_is(text: str) -> str:
+    return text
 
 
 def normalize_label(text: str) -> str:
@@ -57,8 +57,19 @@ def normalize_label(text: str) -> str:
     return " ".join("".join(c for c in text.lower() if c not in string.punctuation).split())
 
 
-def _exact_normalized(pred: str, ans: str, prompt: str | None) -> float:
-    return 100.0 if normalize_label(pred) == normalize_label(ans) else 0.0
+# The metrics that compare a whole answer, each with its key: an item scores 100 where the
+# prediction's key equals the answer's, else 0. The label answer form compares a prediction
+# with a task's labels by the same key (cl_bench/metrics/answer_form.py, label).
+ANSWER_KEYS: dict[str, Callable[[str], str]] = {"accuracy": _as_is, "exact_match": normalize_label}
+
+
+def _equal_by(key: Callable[[str], str]) -> ItemScorer:
+    def scorer(pred: str, ans: str, prompt: str | None) -> float:
+        return 100.0 if key(pred) == key(ans) else 0.0
+    return scorer
+
+
+_exact, _exact_normalized = _equal_by(ANSWER_KEYS["accuracy"]), _equal_by(ANSWER_KEYS["exact_match"])
 
 
 def _first_char(pred: str, ans: str, prompt: str | None) -> float:

@@ -90,7 +90,7 @@ def own_folder(root: Path) -> Path:
         name: toy
         description: two toy tasks
         tasks:
-          Add: {metric: accuracy, max_new_tokens: 4, labels: ["0", "2"]}
+          Add: {metric: accuracy, max_new_tokens: 4, labels: ["0", "2"], answer_form: label}
           Echo: {metric: rouge_l, max_new_tokens: 6}
         orders:
           backwards: [Echo, Add]
@@ -98,18 +98,31 @@ def own_folder(root: Path) -> Path:
     return root
 
 
-def test_your_own_folder_runs_end_to_end_on_smoke(tmp_path):
-    """Mutation caught: the run loading TRACE whatever data.benchmark says (the smoke
-    profile's NumGLUE-cm is not in the folder), or the record not naming the folder's
-    benchmark."""
+def test_your_own_folder_runs_end_to_end_on_smoke(tmp_path, capsys):
+    """Add declares `answer_form: label`, Echo no form: `show` has Add's form shares, and
+    none of Echo's, whether it reads the record's intervals or computes them from the
+    predictions. Mutations caught: the run loading TRACE whatever data.benchmark says
+    (the smoke profile's NumGLUE-cm is not in the folder); the record not naming the
+    folder's benchmark; benchmark.yaml's answer_form not given to the benchmark, or
+    rules_of looking up only the record's name for it ('toy', registered nowhere): no
+    form shares."""
     folder = own_folder(tmp_path / "mine")
     out = tmp_path / "out"
     assert run_cli("run", "--profile", "smoke", "--benchmark", folder, "--order", "backwards", "--output-dir", out,
                    "--no-progress", "--method-arg", "lr=1e-3") == 0
-    record = read_record(only_run(out))
+    run_dir = only_run(out)
+    record = read_record(run_dir)
     assert record.status == "complete" and record.benchmark == "toy" and record.tasks == ["Echo", "Add"]
     assert record.data["Echo"]["train"]["file"] == "Echo/train.jsonl" and record.data["Add"]["test"]["size"] == 4
     assert all(v is not None for v in record.matrix[-1])
+    assert [row[0] for row in record.intervals["form_share"]] == [None, None]  # Echo: no form
+    assert record.intervals["form_share"][-1][1] is not None  # Add, after both stages
+    stored = json.loads((run_dir / "run.json").read_text())
+    for intervals in (stored, {**stored, "intervals": None}):  # stored, then from predictions.jsonl
+        (run_dir / "run.json").write_text(json.dumps(intervals))
+        capsys.readouterr()
+        assert run_cli("show", run_dir) == 0
+        assert "answer form (share of predictions" in capsys.readouterr().out
 
 
 def fault_lines(capsys, folder) -> list[str]:
@@ -141,6 +154,34 @@ def test_data_check_gives_one_line_per_fault(tmp_path, capsys):
     assert "Add/train.json" in answer and "record 0" in answer and 'add "answer"' in answer
     assert "Echo" in test and "no test split" in test and "add test.json" in test
     assert "Echo/eval.jsonl" in utf8 and "not UTF-8" in utf8 and "re-save" in utf8
+
+
+@pytest.mark.parametrize("task, fields, says", [
+    ("Add", '{metric: accuracy, max_new_tokens: 4, labels: ["0", "2"], answer_form: lable}',
+     ["'lable' is not an answer form", "did you mean 'label'", "{option: LETTERS}"]),
+    ("Add", "{metric: accuracy, max_new_tokens: 4, answer_form: label}",
+     ["label needs the task's labels", "labels: ["]),
+    ("Echo", "{metric: rouge_l, max_new_tokens: 6, labels: [red], answer_form: label}",
+     ["metric rouge_l compares no whole answer", "use metric accuracy or exact_match"]),
+    ("Add", "{metric: accuracy, max_new_tokens: 4, answer_form: option}",
+     ["option needs its option letters", "answer_form: {option: ABCD}"]),
+    ("Add", "{metric: accuracy, max_new_tokens: 4, answer_form: {option_first: ''}}",
+     ["option_first needs its option letters", "answer_form: {option_first: ABCD}"]),
+])
+def test_data_check_gives_one_line_per_answer_form_fault(tmp_path, capsys, task, fields, says):
+    """An unknown form, label without labels or with a metric that compares no whole
+    answer, an option form without letters: one line naming the file, the task, the
+    field and the fix; exit 2, no traceback. Mutations caught: the check not reading
+    answer_form, or dropping label's labels check, or an option form's letters check,
+    or accepting an option form without letters (exit 0 each); label's metric check
+    dropped (a ValueError building the rule)."""
+    folder = own_folder(tmp_path / "mine")
+    spec = folder / "benchmark.yaml"
+    lines = spec.read_text().splitlines()
+    spec.write_text("\n".join(f"  {task}: {fields}" if line.strip().startswith(f"{task}:") else line
+                              for line in lines))
+    [line] = fault_lines(capsys, folder)
+    assert f"benchmark.yaml: task {task}: answer_form " in line and all(s in line for s in says), line
 
 
 def test_a_bad_yaml_stops_a_run_in_one_line(tmp_path, capsys):

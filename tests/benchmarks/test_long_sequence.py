@@ -97,7 +97,10 @@ def test_an_order_naming_a_missing_task_stops_in_one_line(tmp_path, capsys):
     assert not out.exists() or not any(out.iterdir())  # stopped before a run folder was claimed
 
 
-def test_long_sequence_smoke_names_the_tasks_it_used(tmp_path):
+def test_long_sequence_smoke_names_the_tasks_it_used_and_shows_its_forms(tmp_path, capsys):
+    """`show` of the run has the answer-form table (a share for each scored cell) and BWT's
+    format and content parts. Mutation caught: long-sequence declaring no answer_forms
+    (no table, no split)."""
     root = release(tmp_path / "CL_Benchmark")
     out = tmp_path / "out"
     assert run_cli("run", "--profile", "smoke", "--benchmark", "long-sequence", "--data-dir", root,
@@ -106,3 +109,9 @@ def test_long_sequence_smoke_names_the_tasks_it_used(tmp_path):
     assert record.benchmark == "long-sequence" and record.tasks == ["CB", "COPA"]
     assert record.config["data"]["benchmark"] == "long-sequence"
     assert {t["metric"] for t in record.task_metrics} == {"exact_match"}
+    has = lambda rows: [[v is not None for v in row] for row in rows]  # noqa: E731
+    assert has(record.intervals["form_share"]) == has(record.matrix) == [[True, False], [True, True]]
+    capsys.readouterr()
+    assert run_cli("show", only_run(out)) == 0
+    shown = capsys.readouterr().out
+    assert "answer form (share of predictions" in shown and "BWT format" in shown and "BWT content" in shown
