@@ -47,7 +47,7 @@ class ItemTable:
         # the benchmark's to declare (none: no form shares), found as the run found it: its
         # data.benchmark (a task folder's path; the name a folder benchmark records is registered
         # nowhere), else the record's name for it
-        rules = rules_of(((record.config or {}).get("data") or {}).get("benchmark"), record.benchmark)
+        rules = _rules(record)
         for (b, j), rows in groups.items():
             rows.sort(key=lambda r: r["index"])
             order = [r["index"] for r in rows]
@@ -129,11 +129,26 @@ def run_intervals(record: RunRecord, predictions: list[dict], resamples: int = b
     }
 
 
+def _rules(record: RunRecord):
+    return rules_of(((record.config or {}).get("data") or {}).get("benchmark"), record.benchmark)
+
+
+def _forms_added_since(record: RunRecord) -> bool:
+    """Whether the record's stored intervals have no answer-form share although its
+    benchmark now declares a rule for one of its tasks (a rule added after the run)."""
+    stored = record.intervals or {}
+    if "form_share" not in stored:  # intervals from before answer forms: shown as they were
+        return False
+    shares = [v for row in stored["form_share"] or [] for v in row] + list(stored.get("zero_shot_form_share") or [])
+    return all(v is None for v in shares) and any(t in _rules(record) for t in record.tasks)
+
+
 def record_intervals(record: RunRecord, run_dir) -> dict[str, Any] | None:
-    """The record's stored intervals, else computed from the run's predictions
-    (a record made before intervals existed, or a run still going); None when
-    the run has no predictions yet."""
-    if record.intervals:
+    """The record's stored intervals, else computed from the run's predictions (a
+    record made before intervals existed, a run still going, or one whose benchmark
+    declared its answer forms after it ran: the stored cells are the same, the form
+    shares new); None when the run has no predictions yet."""
+    if record.intervals and not _forms_added_since(record):
         return record.intervals
     predictions = results.read_jsonl(Path(run_dir) / results.PREDICTIONS_FILE)
-    return run_intervals(record, predictions) if predictions else None
+    return run_intervals(record, predictions) if predictions else record.intervals

@@ -115,3 +115,16 @@ def test_long_sequence_smoke_names_the_tasks_it_used_and_shows_its_forms(tmp_pat
     assert run_cli("show", only_run(out)) == 0
     shown = capsys.readouterr().out
     assert "answer form (share of predictions" in shown and "BWT format" in shown and "BWT content" in shown
+    # A record stored before its benchmark declared forms (the shares all null) shows them
+    # now, from its predictions; the stored cells stay what they were.
+    from cl_bench.metrics.intervals import record_intervals
+
+    run = only_run(out)
+    raw = json.loads((run / "run.json").read_text())
+    stored = raw["intervals"]
+    raw["intervals"] = {**stored, "form_share": [[None, None], [None, None]], "zero_shot_form_share": [None, None]}
+    (run / "run.json").write_text(json.dumps(raw))
+    again = record_intervals(read_record(run), run)
+    assert again["form_share"] == stored["form_share"]
+    assert json.loads(json.dumps(again["matrix_ci"])) == stored["matrix_ci"]
+    # (mutation caught: record_intervals returning the stored intervals whatever they lack)
