@@ -48,7 +48,8 @@ from cl_bench.profiles import PROFILES
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
               "aten::_scaled_dot_product_flash_attention_for_cpu",
-              "aten::_scaled_dot_product_attention_math", "aten::scaled_dot_product_attention")
+              "aten::_scaled_dot_product_attention_math", "aten::scaled_dot_product_attention",
+              "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
 # what eval-speed times the decoder against (module docstring)
@@ -128,15 +129,7 @@ def eval_profile(args) -> dict:
     prefill_s = sum(s for s, _, _ in timer.prefill)
     decode_s = sum(s for s, _, _ in timer.decode)
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        profiled_s, _ = one_pass()
-    events = prof.key_averages()
-    total_self = sum(e.self_cpu_time_total for e in events) / 1e6
-    matmul_self = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS) / 1e6
-    # the oneDNN/MKL kernels under the matmul ops count as theirs (their self time)
-    kernel_self = sum(e.self_cpu_time_total for e in events
-                      if e.key.startswith(("mkldnn", "aten::_mkldnn", "aten::mkldnn"))) / 1e6
-    top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:15]
+    profiled = op_profile(lambda: one_pass()[0])
 
     body, head = linear_weights(model)
     prompt_tokens = sum(rows * cols for _, rows, cols in timer.prefill)
@@ -160,16 +153,31 @@ def eval_profile(args) -> dict:
         "decode_steps": len(timer.decode), "decode_rows": decode_rows,
         "decode_step_median_s": statistics.median(s for s, _, _ in timer.decode) if timer.decode else None,
         "prediction_chars_mean": sum(generated) / len(generated),
-        "profiled_pass_s": profiled_s,
-        "profiled_op_self_s": {"all": total_self, "matmul_and_attention": matmul_self + kernel_self,
-                               "other": total_self - matmul_self - kernel_self},
-        "profiled_top_ops": [{"op": e.key, "self_s": e.self_cpu_time_total / 1e6, "calls": e.count}
-                             for e in top],
+        "profiled_pass_s": profiled["seconds"], "profiled_op_self_s": profiled["op_self_s"],
+        "profiled_top_ops": profiled["top_ops"],
         "linear_weights": body, "lm_head_weights": head,
         "matmul_gflops": {f"m={bs * 128}": rate_prefill, f"m={bs}": rate_decode}, "read_gb_s": gbs,
         "bound_s": {"prefill": prefill_flop / rate_prefill / 1e9, "decode_flop": decode_flop / rate_decode / 1e9,
                     "decode_weight_read": weight_read_s},
     }
+
+
+def op_profile(fn, top: int = 15) -> dict:
+    """`fn()` (returning its own seconds) once under torch.profiler: its seconds, the
+    operators' self CPU time split into matrix products with attention (their oneDNN/MKL
+    kernels counted as theirs) and the rest, and the `top` operators by self time."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        seconds = fn()
+    events = prof.key_averages()
+    total_self = sum(e.self_cpu_time_total for e in events) / 1e6
+    matmul_self = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS) / 1e6
+    kernel_self = sum(e.self_cpu_time_total for e in events
+                      if e.key.startswith(("mkldnn", "aten::_mkldnn", "aten::mkldnn"))) / 1e6
+    return {"seconds": seconds,
+            "op_self_s": {"all": total_self, "matmul_and_attention": matmul_self + kernel_self,
+                          "other": total_self - matmul_self - kernel_self},
+            "top_ops": [{"op": e.key, "self_s": e.self_cpu_time_total / 1e6, "calls": e.count}
+                        for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]]}
 
 
 def eval_speed(args) -> dict:

@@ -21,6 +21,9 @@ profile's), from a fresh copy with stage B begun, repeats
 alternating the order; medians of wall seconds and of the process's CPU seconds
 (the latter is what a shared machine's other work disturbs least). The share of each
 option is against the step's forward, backward and optimiser step (loop), as measured.
+Last, the step as the harness runs it (the task pass and its AdamW) once under
+torch.profiler: its operators' self CPU time in matrix products and attention against
+the rest, and the top operators (`eval_profile.op_profile`).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from cl_bench.data.encode import IGNORE, epoch_order, steps
 from cl_bench.errors import UserError
 from cl_bench.run import precision
 from cl_bench.run.machine import machine
+from cl_bench.tools.perf.eval_profile import op_profile
 from cl_bench.tools.perf.step import begun, two_stages
 
 OPTIMISERS = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
@@ -130,6 +134,9 @@ def step_options(args) -> dict:
                         del o2
                 del m, o
         drift = _fused_drift(fresh(name, cast=False), task_pass)
+        m, o = fresh(name, cast=False)
+        profiled = op_profile(lambda: _timed(lambda: (task_pass(m), o.step()))[1])  # the step as the harness runs it
+        del m, o
         step = {s: _medians(v) for s, v in passes.items()}
         optim = {k: _medians(v) for k, v in opt.items()}
         whole = {u: step["autocast"][u] + optim["loop"][u] for u in ("wall_s", "cpu_s")}
@@ -141,6 +148,7 @@ def step_options(args) -> dict:
             "fused_saves_share_of_step": {u: (optim["loop"][u] - optim["fused"][u]) / whole[u] for u in whole},
             "fused_max_rel_drift_3_steps": drift,
             "frozen_linear_params": n_frozen,
+            "profiled_step": profiled,
         }
         if casting:
             entry["cast_once_over_autocast"] = {u: step["cast once"][u] / step["autocast"][u] for u in whole}

@@ -214,6 +214,7 @@ def test_step_options_times_the_optimisers_and_the_frozen_cast_on_one_step(trace
     for m in (seqft, lora):
         assert set(m["optimiser_step"]) == {"loop", "foreach", "fused"}
         assert m["fused_max_rel_drift_3_steps"] < 1e-5 and m["step_as_run"]["cpu_s"] > 0
+        assert m["profiled_step"]["top_ops"] and m["profiled_step"]["op_self_s"]["matmul_and_attention"] > 0
     assert seqft["frozen_linear_params"] == 0 and "cast_once_over_autocast" not in seqft
     model = load("tiny-llama", 1234, progress=False).model
     tied = model.get_input_embeddings().weight
