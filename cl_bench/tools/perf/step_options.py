@@ -1,11 +1,12 @@
 """`cl-bench perf step-options`: the costs a training step pays besides its products,
-each against its alternative, for each of `--methods` (issue 53, item 2): what would pay
-if the harness changed, measured before it changes.
+each against its alternative, for each of `--methods` (issue 53, item 2): what pays if
+the harness changes, measured apart from the rest of the step. (It measured the fused
+AdamW the harness now runs, `method.fused_adamw`, and the cast that did not pay.)
 
 - **The optimiser step.** torch's AdamW on the CPU runs its per-parameter loop unless
   told otherwise (`foreach=None` picks the loop for CPU tensors). Timed over the method's
   trainable parameters, with the gradients of one real step: the loop (what the harness
-  runs), `foreach=True` and `fused=True`; and how far the fused kernel's weights drift
+  ran before issue 53), `foreach=True` and `fused=True` (what it runs now); and how far the fused kernel's weights drift
   from the loop's after three steps from the same state (rounding: it fuses the update).
 - **Frozen weights cast once.** Under bf16 autocast every linear casts its fp32 weight to
   bf16 at every forward; autocast keeps the cast across the forward only for weights that
