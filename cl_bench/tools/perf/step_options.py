@@ -98,7 +98,7 @@ def step_options(args) -> dict:
                 loss, _ = method.loss(micro, 0)
                 weighted = loss * int((micro["labels"] != IGNORE).sum()) / max(first.n_tokens, 1)
                 weighted.backward()
-                total += float(weighted)
+                total += weighted.item()
         return total
 
     before = machine()
@@ -106,6 +106,8 @@ def step_options(args) -> dict:
     for name in methods:
         method, optimizer = fresh(name, cast=False)
         n_frozen = sum(m.weight.numel() for m in _frozen_linears(method.model))
+        n_trainable = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+        del method, optimizer  # one copy at a time from here: SmolLM2's weights, gradients and moments
         casting = bf16 and n_frozen > 0
         sides = ("autocast", "cast once") if casting else ("autocast",)
         passes: dict[str, list] = {s: [] for s in sides}
@@ -142,7 +144,7 @@ def step_options(args) -> dict:
         optim = {k: _medians(v) for k, v in opt.items()}
         whole = {u: step["autocast"][u] + optim["loop"][u] for u in ("wall_s", "cpu_s")}
         entry = {
-            "trainable_params": sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
+            "trainable_params": n_trainable,
             "task_pass": step, "optimiser_step": optim,
             "step_as_run": whole,
             "fused_over_loop": {u: optim["fused"][u] / optim["loop"][u] for u in whole},
