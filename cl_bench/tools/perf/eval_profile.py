@@ -122,6 +122,7 @@ def eval_profile(args) -> dict:
             evals = [evaluate_task(model, encoder, t, config.eval, generate=backend.generate) for t in tasks]
         return time.perf_counter() - t0, evals
 
+    before = machine()  # the record names its machine (and the load at the start)
     if args.repeats > 1:  # a warm-up pass (allocator, first calls) where --repeats allows
         one_pass()
     with CallTimer(model) as timer:
@@ -144,7 +145,7 @@ def eval_profile(args) -> dict:
     weight_read_s = (body + head) * bytes_per_weight / 1e9 / gbs * len(timer.decode)
     generated = [len(r["prediction"]) for e in evals for r in e.rows]
     return {
-        "what": "eval-profile", "model": args.model, "profile": "cpu", "precision": prec,
+        "what": "eval-profile", "model": args.model, "profile": "cpu", "precision": prec, "machine": before,
         "tasks": [t.name for t in tasks], "test_items_per_task": args.n, "eval_batch_size": bs,
         "max_new_tokens_cap": config.eval.max_new_tokens_cap, "torch_threads": torch.get_num_threads(),
         "pass_s": seconds, "prefill_s": prefill_s, "decode_s": decode_s,
