@@ -22,8 +22,8 @@ profile's), from a fresh copy with stage B begun, repeats
 alternating the order; medians of wall seconds and of the process's CPU seconds
 (the latter is what a shared machine's other work disturbs least). The share of each
 option is against the step's forward, backward and optimiser step (loop), as measured.
-Last, the step as the harness runs it (the task pass and its AdamW) once under
-torch.profiler: its operators' self CPU time in matrix products and attention against
+Last, the step as the harness runs it (the task pass and its AdamW), after a first
+step (so the optimiser's moments exist, as in mid-stage), once under torch.profiler: its operators' self CPU time in matrix products and attention against
 the rest, and the top operators (`eval_profile.op_profile`).
 """
 from __future__ import annotations
@@ -138,6 +138,7 @@ def step_options(args) -> dict:
                 del m, o
         drift = _fused_drift(fresh(name, cast=False), task_pass)
         m, o = fresh(name, cast=False)
+        task_pass(m), o.step(), m.model.zero_grad(set_to_none=True)  # a first step: the moments exist, as mid-stage
         profiled = op_profile(lambda: _timed(lambda: (task_pass(m), o.step()))[1])  # the step as the harness runs it
         del m, o
         step = {s: _medians(v) for s, v in passes.items()}
