@@ -337,9 +337,9 @@ def fused_adamw(groups: list[dict]) -> bool | None:
     (results/perf/step-options-smollm2-bf16.json). It rounds the update differently
     (weights within 1e-7 relative of the loop's after three steps), so runs made
     before it differ from runs after at float rounding: issue 53's twin bounds it."""
-    params = [p for g in groups for p in g["params"]]
-    if _PER_PARAMETER_ADAMW or not params:
+    if _PER_PARAMETER_ADAMW:
         return None
+    params = [p for g in groups for p in g["params"]]  # none yet (a set that fills later): fused too
     if all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params):
         return True
     return None
