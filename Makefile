@@ -46,7 +46,7 @@ site: install
 # winners and forms views. The MoE sources table reads the same runs and also results/long's; the
 # flagship's table needs one finished run under results/long.
 HEADLINE_AND_LONG := --runs results --exclude 'cpu-v1/*' --exclude 'calibration/*' --exclude 'sweeps/*' --exclude 'tuning/*' \
-            --exclude 'tuned/*' --exclude 'twins/*'
+            --exclude 'tuned/*' --exclude 'twins/*' --exclude 'long-sequence/*'
 readme: install
 	$(VENV)/bin/cl-bench leaderboard --update-readme README.md > /dev/null
 	$(VENV)/bin/cl-bench leaderboard --view winners --update-readme docs/results.md --section winners > /dev/null
@@ -54,3 +54,4 @@ readme: install
 	$(VENV)/bin/cl-bench leaderboard $(HEADLINE_AND_LONG) --view sources --update-readme docs/results.md --section sources > /dev/null
 	$(VENV)/bin/cl-bench claims scripts/claims/flagship.yaml --update-readme docs/results.md > /dev/null
 	$(VENV)/bin/cl-bench leaderboard --runs results/long --update-readme docs/results.md --section flagship-long > /dev/null
+	$(VENV)/bin/cl-bench leaderboard --runs results/long-sequence --update-readme docs/results.md --section long-sequence > /dev/null

@@ -56,8 +56,8 @@ def test_winners_are_chosen_within_each_benchmark(runs_dir):
 
 
 def tables(text: str) -> dict[str, str]:
-    """'## Benchmark: NAME' -> the text of its table."""
-    parts = re.split(r"^## Benchmark: (\S+)\n", text, flags=re.M)
+    """'**Benchmark: NAME**' -> the text of its table."""
+    parts = re.split(r"^\*\*Benchmark: (\S+)\*\*\n", text, flags=re.M)
     assert parts[0] == ""
     return dict(zip(parts[1::2], parts[2::2]))
 

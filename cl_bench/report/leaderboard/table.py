@@ -103,8 +103,9 @@ def format_table(df: pd.DataFrame, fmt: str = "md") -> str:
 
 
 
-# A table's heading line, by format, where the runs are not all the default benchmark's
-HEADING = {"md": "## Benchmark: {}\n\n", "latex": "% benchmark: {}\n", "csv": "# benchmark: {}\n"}
+# A table's heading line, by format, where the runs are not all the default benchmark's (in
+# Markdown a bold line, not a heading: the table often sits inside a document's own section)
+HEADING = {"md": "**Benchmark: {}**\n\n", "latex": "% benchmark: {}\n", "csv": "# benchmark: {}\n"}
 
 
 def per_benchmark(runs: list, build: Callable) -> list[tuple[str | None, object]]:
