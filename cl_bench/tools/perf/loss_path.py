@@ -11,10 +11,11 @@ replay buffer; B is the timed stage, on the `cpu` profile's settings (batch size
 lengths, train precision) with `--n` items. Each side runs stage B through the torch
 backend from a fresh copy of the model (`perf step`'s `begun`), so both sides see the
 same batches, replay draws and weights; each step's time comes from the step log's
-timestamps (the first from the stage's start), and so does its CPU time (the process's, all its threads: what a shared machine's
-other work disturbs least). Repeats alternate which side goes first; medians over
-repeats and steps, and new over old as a ratio of medians (below 1: the new path is
-faster), of wall seconds and of CPU seconds.
+timestamps (the first from the stage's start), and so does its CPU time (the
+process's, all its threads: what a shared machine's other work disturbs least).
+Repeats alternate which side goes first; medians over repeats and steps, and new over
+old as a ratio of medians (below 1: the new path is faster), of wall seconds and of
+CPU seconds.
 
 Peak memory: on CUDA the allocator's peak; on the CPU the process's resident set
 sampled every 10 ms during the side's stage, above its level at the start (freed heap
