@@ -75,7 +75,7 @@ def test_eval_profile_splits_one_pass_into_prefill_decode_and_the_rest(trace_dir
                    "--repeats", "1", "--precision", "fp32",  # pinned: `auto` is bf16 on a CPU that has it
                    "--data-dir", str(trace_dir), "--output", str(out)) == 0
     rec = json.loads(out.read_text())
-    assert rec["tasks"] == ["NumGLUE-cm", "Py150"] and rec["precision"] == "fp32"
+    assert rec["tasks"] == ["NumGLUE-cm", "Py150"] and rec["precision"] == "fp32" and rec["machine"]["cpu"]
     assert rec["prefill_calls"] == 2  # one batch of 5 (batch size 16) a task
     # at most budget - 1 steps a batch (24; 64 capped at 64), each of 1 to 5 rows
     assert 0 < rec["decode_steps"] <= 23 + 63
