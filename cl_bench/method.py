@@ -168,6 +168,11 @@ class Method:
         return cls.Args(**values)
 
     @classmethod
+    def check_run(cls, args: MethodArgs, config: RunConfig) -> None:
+        """Refuse, before anything loads, arguments this run's config cannot carry
+        (a UserError naming the field and the fix). Default: none."""
+
+    @classmethod
     def args_for(cls, config: RunConfig) -> dict[str, Any]:
         """The run's raw method arguments: config.method_args, with the profile's lr for
         the method's family (train.lr_by_family) where `lr` is not given there."""

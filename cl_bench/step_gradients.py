@@ -22,7 +22,13 @@ Between the last backward of a step and the optimiser step, `method.ctx.grads`
                        what the ranks computed on their fragments, whole on every rank;
     all_reduce(t)      t summed over ranks, in place (one rank: t itself);
     all_gather(values) a list of this rank's values -> every rank's, concatenated
-                       in rank order (statistics a loss kept of its micro-batches).
+                       in rank order (statistics a loss kept of its micro-batches);
+    apart()            a context: the forwards and torch.autograd.grad calls inside
+                       take gradients of a method's own tensors, outside the
+                       optimiser's step (the flagship's mask logits), and no hook of
+                       the backend's gradient reduction runs in them (ZeRO-3 reduces
+                       a leaf module's gradients in its backward hook, which any
+                       backward through the module would run).
 
 A per-coordinate change (a penalty's gradient) needs no communication; a linear
 one (a projection) needs its coefficients summed over ranks: every rank calls
@@ -39,6 +45,7 @@ an optimiser that has `bind_zero_layout(layout)`, and None when the phase ends.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -102,6 +109,11 @@ class StepGradients:
 
     def all_gather(self, values: list) -> list:
         return list(values)
+
+    def apart(self) -> contextlib.AbstractContextManager:
+        """One process: torch.autograd.grad runs no hook of the optimiser's parameters."""
+        return contextlib.nullcontext()
+
 
 @dataclass
 class Segment:

@@ -237,7 +237,7 @@ class DeepSpeedBackend(Backend):
         phase = ZeroPhase(self.ds, method.model, optimizer, method.make_optimizer, self.ds_config,
                           self.config.deepspeed.zero, self.bf16, method.idle_units())
         engine = phase.engine
-        method.ctx.grads = ZeroGradients(self.ds, self.config.deepspeed.zero)
+        method.ctx.grads = ZeroGradients(self.ds, self.config.deepspeed.zero, phase.apart)
 
         def backward(jobs: list[Job], step: int, key: str) -> dict[str, float]:
             parts: dict[str, float] = {}
@@ -311,10 +311,11 @@ class ZeroGradients(StepGradients):
         no part of it.
       ZeRO-3: the local API (safe_get_local_grad / safe_get_local_fp32_param): the
         rank's padded partition of the flattened parameter, from rank x partition on;
-        written back with safe_set_local_grad."""
+        written back with safe_set_local_grad.
+    `apart()` is the phase's (ZeroPhase.apart)."""
 
-    def __init__(self, deepspeed, zero: int):
-        self.ds, self.zero = deepspeed, zero
+    def __init__(self, deepspeed, zero: int, apart):
+        self.ds, self.zero, self.apart = deepspeed, zero, apart
         self.world_size = torch.distributed.get_world_size()
 
     def fragments(self, params: list[torch.nn.Parameter], grad: bool = True) -> list[Fragment]:

@@ -25,12 +25,15 @@ DeepSpeed internals used (tested with 0.19.8): the flat fp32 partitions of its
 ZeRO optimisers and `_lazy_init_hp_params_optimizer_state` (ZeRO-2), to seed the
 optimiser state; the parameters of each partition (bit16_groups and `_hp_mapping`,
 ZeRO-2; fp16_groups and `ds_tensor`, ZeRO-3) for an optimiser that asks for the
-layout (`bind_zero_layout`, cl_bench/step_gradients.py's ZeroLayout); everything
+layout (`bind_zero_layout`, cl_bench/step_gradients.py's ZeroLayout); the
+handles of ZeRO-3's leaf-module reduction hooks (`_leaf_module_hooks`), which
+`apart()` takes off the modules for a gradient outside the step; everything
 else goes through deepspeed.utils (safe_get/set_full_*, set_z3_leaf_module) and
 deepspeed.zero.GatheredParameters.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cl_bench.models.modes import forward_readers
 from cl_bench.step_gradients import Segment, ZeroLayout
 
 
@@ -74,24 +78,14 @@ def _state_keys(make_optimizer, group: dict[str, Any]) -> list[str]:
 
 
 def zero3_leaves(model: nn.Module) -> list[nn.Module]:
-    """Modules ZeRO-3 must gather whole before their forward: the nearest ancestor
-    with a forward of each module that holds parameters but has none (an MoE layer's
-    expert groups, a ParameterList of LoRA pairs), since its parameters are read by
-    that ancestor's forward, which ZeRO-3 would not know to gather."""
-    parent: dict[nn.Module, nn.Module] = {}
-    for module in model.modules():
-        for child in module.children():
-            parent[child] = module
-    no_forward = nn.Module.forward
+    """Modules ZeRO-3 must gather whole before their forward: the reader
+    (forward_readers) of each module that holds parameters but has no forward (an MoE
+    layer's expert groups, a ParameterList of LoRA pairs), since ZeRO-3 gathers a
+    module's own parameters for its own forward and would not know to gather these."""
     leaves: list[nn.Module] = []
-    for module in model.modules():
-        if type(module).forward is not no_forward or next(module.parameters(recurse=False), None) is None:
-            continue
-        owner = parent.get(module)
-        while owner is not None and type(owner).forward is no_forward:
-            owner = parent.get(owner)
-        if owner is not None and owner not in leaves:
-            leaves.append(owner)
+    for module, reader in forward_readers(model).items():
+        if reader is not module and reader not in leaves:
+            leaves.append(reader)
     return leaves
 
 
@@ -292,6 +286,33 @@ class ZeroPhase:
             for key, value in self.optimizer.param_groups[slot.source].items():
                 if key != "params":
                     group[key] = value
+
+    @contextlib.contextmanager
+    def apart(self):
+        """Inside: no leaf module runs ZeRO-3's reduction hook (StepGradients.apart).
+        ZeRO-3 reduces a leaf module's gradients in a full backward hook, which PyTorch
+        runs in every backward through the module, torch.autograd.grad to a method's own
+        tensor too: the module's experts would be queued for reduction twice in one step
+        (zeros first), and DeepSpeed asserts on the duplicate once both land in one
+        bucket. PyTorch reads a module's backward hooks at its forward, so a forward
+        inside builds a graph without them; a backward inside runs none. ZeRO-2 reduces
+        in hooks on the parameters' gradient accumulation, which torch.autograd.grad to
+        another tensor never runs."""
+        handles = getattr(self.engine.optimizer, "_leaf_module_hooks", []) if self.zero == 3 else []
+        saved: dict[int, tuple[dict, dict]] = {}  # a module's backward hooks -> as they were
+        for handle in handles:
+            hooks = handle.hooks_dict_ref()
+            if hooks is not None and handle.id in hooks:
+                saved.setdefault(id(hooks), (hooks, dict(hooks)))
+                del hooks[handle.id]
+        try:
+            yield
+        finally:  # back in their order, after them any hook added inside
+            for hooks, before in saved.values():
+                added = {key: hook for key, hook in hooks.items() if key not in before}
+                hooks.clear()
+                hooks.update(before)
+                hooks.update(added)
 
     # ---- back to an ordinary module ---------------------------------------------------
     def close(self) -> None:

@@ -39,6 +39,7 @@ def check_config(config: RunConfig) -> Checked:
     t.lr_schedule = kind if t.lr_schedule is None else t.lr_schedule
     t.warmup_ratio = warmup if t.warmup_ratio is None else t.warmup_ratio
     method_args = method_cls.parse_args(method_cls.args_for(config))
+    method_cls.check_run(method_args, config)
     for key, lr in dataclasses.asdict(method_args).items():  # lr, and any other learning rate (*_lr)
         if (key == "lr" or key.endswith("_lr")) and isinstance(lr, float) and not (math.isfinite(lr) and lr > 0):
             raise UserError(f"method_args.{key}={lr} must be a finite number > 0, e.g. --method-arg {key}=3e-4")

@@ -38,7 +38,11 @@ outer step: the replay micro-batch runs on every rank (replay_on_every_rank, at
 weight 1/N), the outer step's task micro-batch is the step's last whichever rank
 computes it (step_batches), and the Gumbel noise comes from the task's own
 generator, drawn once per step: the mask logits, the records and the decisions are
-the torch backend's (tests/backends/test_deepspeed_ranks.py).
+the torch backend's (tests/backends/test_deepspeed_ranks.py). The outer step's
+forward and gradient run inside `ctx.grads.apart()`: at ZeRO-3 they would otherwise
+run the MoE layers' reduction hooks a second time in the step
+(cl_bench/backends/zero_engine.py, ZeroPhase.apart); outer_sample=shared, whose
+outer gradient goes back through the inner replay forward, is refused at ZeRO-3.
 """
 from __future__ import annotations
 
@@ -87,18 +91,11 @@ class BilevelCKA(Method):
     # the outer step (Adam on the mask logits), the CKA record and the reference cache live in
     # replay_loss: every rank takes the same outer step on the same batches with the same noise
     replay_on_every_rank = True
-    zero_unsupported = {3: (
-        "its outer step takes the mask logits' gradient (torch.autograd.grad) through the MoE layers, which "
-        "ZeRO-3 treats as leaf modules: their backward hooks then queue the experts for reduction a second time "
-        "in the same step, and DeepSpeed asserts on the duplicate unless its bucket happens to flush in between "
-        "(it passes with tiny reduce buckets, fails with the defaults)")}
 
     def __init__(self, args: BilevelCKAArgs, context):
         super().__init__(args, context)
-        if context is not None and context.config.replay.policy != "interleave":
-            raise UserError(f"bilevel-cka needs replay.policy=interleave (its CKA term and outer step use "
-                            f"the replay micro-batch of each step), not {context.config.replay.policy!r}; "
-                            f"set --set replay.policy=interleave")
+        if context is not None:
+            self.check_run(args, context.config)
         self._active: dict[int, list[int]] = {}  # candidate layer -> expert index per slot
         self._task: TaskSearch | None = None
         self._record: dict[str, Any] | None = None  # this stage's per-task record
@@ -106,6 +103,17 @@ class BilevelCKA(Method):
         # was measured on; the model before task 0 (its trainable values) while task 0 trains
         self._drift: tuple[list[float], str] | None = None
         self._pre0: dict[str, torch.Tensor] | None = None
+
+    @classmethod
+    def check_run(cls, args: BilevelCKAArgs, config) -> None:
+        if config.replay.policy != "interleave":
+            raise UserError(f"bilevel-cka needs replay.policy=interleave (its CKA term and outer step use "
+                            f"the replay micro-batch of each step), not {config.replay.policy!r}; "
+                            f"set --set replay.policy=interleave")
+        if args.outer_sample == "shared" and config.backend == "deepspeed" and config.deepspeed.zero == 3:
+            raise UserError("method_args.outer_sample=shared cannot run at ZeRO-3: its outer gradient goes back "
+                            "through the inner replay forward, whose graph holds ZeRO-3's reduction hooks; use "
+                            "outer_sample=own (the default) or --zero 2")
 
     def setup(self, model: nn.Module) -> None:
         self.model = model
@@ -260,7 +268,8 @@ class BilevelCKA(Method):
                 loss, inner, lm = self._inner_replay(batch, step, pi)
                 parts.update(outer_step(self.model, task, batch, a, pi, lm))
                 return loss, {**parts, **inner}
-            parts.update(outer_step(self.model, task, batch, a))
+            with self.ctx.grads.apart():  # its own forward and gradient, outside the step's reduction
+                parts.update(outer_step(self.model, task, batch, a))
         loss, inner, _ = self._inner_replay(batch, step)
         return loss, {**parts, **inner}
 

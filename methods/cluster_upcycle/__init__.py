@@ -59,9 +59,6 @@ class ClusterUpcycle(Method):
                    "task's prompts, centroid router rows, EMA dense-teacher self-distillation")
     lr_family = "expert"
     Args = ClusterUpcycleArgs
-    zero_unsupported = {3: (
-        "its EMA teacher runs the model on the EMA copies through torch.func.functional_call, which swaps "
-        "plain tensors in for ZeRO-3's partitioned parameters, and DeepSpeed's fetch hooks need their ds_status")}
 
     def __init__(self, args: ClusterUpcycleArgs, context):
         super().__init__(args, context)
