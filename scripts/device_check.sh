@@ -10,8 +10,10 @@
 #                  --zero 2, one rank: its outer step and mask logits on CUDA (the paper's stage)
 #   4 zero3        CaRE on the smoke profile with --zero 3: the anchor pull on the fp32 masters
 #                  and the partitions (cl_bench/step_gradients.py) on CUDA
-#   5 train-step   cl-bench perf train-step: SmolLM2 optimiser steps, MFU against the peak
-#   6 generation   cl-bench perf gen-throughput: tokens/s of each generator installed (hf, vllm)
+#   5 zero3-flagship  the flagship with --zero 3 and DeepSpeed's default buckets: its outer
+#                  gradient with ZeRO-3's leaf-module reduction hooks taken off (ZeroPhase.apart)
+#   6 train-step   cl-bench perf train-step: SmolLM2 optimiser steps, MFU against the peak
+#   7 generation   cl-bench perf gen-throughput: tokens/s of each generator installed (hf, vllm)
 #
 # Writes results/perf/gpu-train-step.json, results/perf/gpu-gen-throughput.json and
 # results/perf/gpu-check.json (each step: status, seconds, the command), and prints a
@@ -87,7 +89,7 @@ for name in ("train-step", "gen-throughput"):
 Path("results/perf/gpu-check.json").write_text(json.dumps(rec, indent=2) + "\n")
 print(f"== device check: {outcome} on {rec['device']} (torch {rec['torch']}, CUDA {rec['cuda']}); {data_note}")
 for s in steps:
-    print(f"  {s['step']:<11} {s['status']:<7} {s['seconds']:7.1f} s")
+    print(f"  {s['step']:<15} {s['status']:<7} {s['seconds']:7.1f} s")
 t = perf.get("train-step")
 if t:
     mfu = "n/a (device not in PEAK_TFLOPS)" if t["mfu"] is None else f"{100 * t['mfu']:.1f}% of {t['peak_tflops']} TFLOP/s"
@@ -141,6 +143,8 @@ step cpu-stage 150 "${CLI[@]}" run --profile cpu --order Py150 --seed 1234 --no-
     --set train.precision=bf16 --set eval.precision=bf16 --output-dir "$WORK/runs" --run-id cpu-stage
 step zero2 120 "${CLI[@]}" "${SMOKE[@]}" --method bilevel-cka --backend deepspeed --zero 2 --run-id zero2
 step zero3 120 "${CLI[@]}" "${SMOKE[@]}" --method care --backend deepspeed --zero 3 --run-id zero3
+step zero3-flagship 120 "${CLI[@]}" "${SMOKE[@]}" --method bilevel-cka --backend deepspeed --zero 3 \
+    --run-id zero3-flagship
 step train-step 90 "${CLI[@]}" perf train-step --model smollm2-135m --task Py150 --n 128 \
     --output results/perf/gpu-train-step.json
 step generation 150 "${CLI[@]}" perf gen-throughput --model smollm2-135m --task 20Minuten --n 64 \
