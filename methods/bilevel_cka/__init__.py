@@ -324,7 +324,10 @@ class BilevelCKA(Method):
 
         passes = {"replay forward and backward": replay_pass, "reference forward of one row": reference_row}
         if task.logits is not None:
-            passes["outer step"] = lambda: outer_step(self.model, task, replay, self.args)
+            def outer():
+                with self.ctx.grads.apart():
+                    outer_step(self.model, task, replay, self.args)
+            passes["outer step"] = outer
         return passes
 
     # ---- task end -----------------------------------------------------------------------
