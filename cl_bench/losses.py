@@ -98,7 +98,7 @@ def lm_loss(model: Callable[..., Any], batch: dict[str, torch.Tensor]) -> torch.
 def answer_logits(model: Callable[..., Any], batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """(N, V): `model`'s logits at the answer positions of `batch`, called without labels
     (a teacher: LwF's previous model, cluster-upcycle's EMA; `model` may be a callable
-    taking the model's keyword arguments, e.g. a torch.func.functional_call)."""
+    taking the model's keyword arguments)."""
     keep = answer_positions(batch["labels"])
     kwargs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
     if not _ALL_POSITIONS:

@@ -28,7 +28,7 @@ PLUGIN_API = {
     "cl_bench.models.balancing": ["balancing_losses"],
     "cl_bench.models.expert_init": ["ExpertInit", "drop_upcycle_init", "slice_experts"],
     "cl_bench.models.lora_adapters": ["LoRAAdapterArgs", "inject_lora", "lora_parameters", "merged_adapter_report"],
-    "cl_bench.models.modes": ["device_of", "eval_mode"],
+    "cl_bench.models.modes": ["device_of", "eval_mode", "forward_readers", "substituted"],
     "cl_bench.models.moe": ["ExpertGroup", "UpcycledMoE", "decoder_layers", "group_sizes", "moe_layers", "rebuild",
                             "upcycle_model"],
     "cl_bench.models.params": ["count"],
@@ -41,7 +41,7 @@ PLUGIN_API = {
 HOOKS = ["setup", "plan", "before_task", "phases", "before_phase", "make_optimizer", "optimizer_for_stage", "loss",
          "replay_loss", "step_passes", "step_batches", "before_step", "idle_units", "idle_parameters", "after_step",
          "after_task", "state_dict", "load_state_dict",
-         "param_report", "param_schedule", "parse_args", "args_for", "arg_table"]
+         "param_report", "param_schedule", "parse_args", "check_run", "args_for", "arg_table"]
 
 
 @pytest.mark.parametrize("module", sorted(PLUGIN_API))

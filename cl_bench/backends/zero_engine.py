@@ -146,8 +146,9 @@ class ZeroPhase:
                    if bf16 else None)  # the engine's own master copies would start from bf16
 
         self._hooks = []
+        self._leaves = zero3_leaves(model) if zero == 3 else []
         if zero == 3:
-            for module in zero3_leaves(model):
+            for module in self._leaves:
                 self.ds.utils.set_z3_leaf_module(module, True)
                 self._hooks.append(module.register_forward_pre_hook(_inputs_require_grad, prepend=True))
         groups = [{**{k: v for k, v in optimizer.param_groups[s.source].items() if k != "params"},
@@ -298,21 +299,27 @@ class ZeroPhase:
         inside builds a graph without them; a backward inside runs none. ZeRO-2 reduces
         in hooks on the parameters' gradient accumulation, which torch.autograd.grad to
         another tensor never runs."""
-        handles = getattr(self.engine.optimizer, "_leaf_module_hooks", []) if self.zero == 3 else []
-        saved: dict[int, tuple[dict, dict]] = {}  # a module's backward hooks -> as they were
+        handles = []
+        if self.zero == 3 and self._leaves:
+            handles = getattr(self.engine.optimizer, "_leaf_module_hooks", None)
+            if handles is None:
+                raise RuntimeError(f"DeepSpeed {self.ds.__version__}: its ZeRO-3 optimiser has no "
+                                   f"_leaf_module_hooks (tested with 0.19.8); apart() cannot take the leaf "
+                                   f"modules' reduction hooks off")
+        taken: dict[int, tuple[dict, list, dict]] = {}  # a module's backward hooks: (them, order, taken off)
         for handle in handles:
             hooks = handle.hooks_dict_ref()
             if hooks is not None and handle.id in hooks:
-                saved.setdefault(id(hooks), (hooks, dict(hooks)))
-                del hooks[handle.id]
+                _, _, off = taken.setdefault(id(hooks), (hooks, list(hooks), {}))
+                off[handle.id] = hooks.pop(handle.id)
         try:
             yield
-        finally:  # back in their order, after them any hook added inside
-            for hooks, before in saved.values():
-                added = {key: hook for key, hook in hooks.items() if key not in before}
+        finally:  # each back in its place; hooks added inside after them, hooks removed inside stay out
+            for hooks, order, off in taken.values():
+                now = dict(hooks)
                 hooks.clear()
-                hooks.update(before)
-                hooks.update(added)
+                hooks.update({key: now[key] if key in now else off[key] for key in order if key in now or key in off})
+                hooks.update({key: hook for key, hook in now.items() if key not in order})
 
     # ---- back to an ordinary module ---------------------------------------------------
     def close(self) -> None:

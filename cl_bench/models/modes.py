@@ -1,6 +1,7 @@
 """Small model helpers that methods, analyses and backends share: run a block with
 the model in eval mode (its train/eval flag restored afterwards, also on error), the
-device its parameters live on, and which module's forward reads a parameter."""
+device its parameters live on, which module's forward reads a parameter, and a
+forward with other values in some parameters' place (`substituted`)."""
 from __future__ import annotations
 
 import contextlib
@@ -46,3 +47,56 @@ def forward_readers(model: nn.Module) -> dict[nn.Module, nn.Module]:
         if owner is not None:
             readers[module] = owner
     return readers
+
+
+@contextlib.contextmanager
+def substituted(model: nn.Module, values: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Inside: each parameter of `model` named in `values` (model.named_parameters()'s
+    names) holds that value, in its own dtype, during the forward of every module that
+    reads it (forward_readers: a tied weight has two, its embedding and its head), and
+    its own value again after. The swap happens in forward hooks, inside the window
+    where ZeRO-3 has the parameter gathered (its fetch hook runs before the appended
+    pre-hook, its release hook after the prepended post-hook), so it is the same on
+    every backend; torch.func.functional_call would put plain tensors in the
+    parameters' place, which ZeRO-3's fetch hooks cannot gather. Readers nested in
+    each other swap once (a count per parameter). For forwards without gradient."""
+    params = dict(model.named_parameters())
+    unknown = sorted(set(values) - set(params))
+    if unknown:
+        raise KeyError(f"substituted: no parameter named {unknown[0]!r} in the model")
+    wanted = {params[name]: value for name, value in values.items()}
+    by_reader: dict[nn.Module, list[tuple[nn.Parameter, torch.Tensor]]] = {}
+    for module, reader in forward_readers(model).items():
+        pairs = [(p, wanted[p]) for p in module.parameters(recurse=False) if p in wanted]
+        by_reader.setdefault(reader, []).extend(pairs)
+    held: dict[nn.Parameter, torch.Tensor] = {}  # a parameter's own tensor while swapped out
+    depth: dict[nn.Parameter, int] = {}
+
+    def swap_in(pairs):
+        def hook(module, args):
+            for p, value in pairs:
+                depth[p] = depth.get(p, 0) + 1
+                if depth[p] == 1:
+                    held[p], p.data = p.data, value.to(p.dtype)
+        return hook
+
+    def swap_out(pairs):
+        def hook(module, args, output):
+            for p, _ in pairs:
+                depth[p] -= 1
+                if depth[p] == 0:
+                    p.data = held.pop(p)
+        return hook
+
+    handles = []
+    try:
+        for reader, pairs in by_reader.items():
+            if pairs:
+                handles.append(reader.register_forward_pre_hook(swap_in(pairs)))
+                handles.append(reader.register_forward_hook(swap_out(pairs), prepend=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for p, value in held.items():  # a forward that raised between the two hooks
+            p.data = value

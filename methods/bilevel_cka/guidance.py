@@ -39,6 +39,7 @@ from torch import nn
 from cl_bench.eval.probes.cka import linear_cka
 from cl_bench.data.encode import collate, tokenize_train
 from cl_bench.method import lm_loss
+from cl_bench.models.modes import substituted
 from cl_bench.models.moe import decoder_layers
 from cl_bench.data.replay import sample_rows
 from cl_bench.record.schema import rounded
@@ -123,16 +124,13 @@ def layer_outputs(model: nn.Module, features, batches: list[dict], autocast: Cal
                   params: dict[str, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
     """{layer: (n, d)}: the outputs of `features.layers` on the non-pad tokens of
     `batches` (in order, at most features.max_tokens evenly spaced), no gradient;
-    `params`: values that stand in for the model's own (torch.func.functional_call)."""
+    `params`: values that stand in for the model's own (models/modes.py's substituted)."""
     per_layer: dict[int, list[torch.Tensor]] = {l: [] for l in features.layers}
     for b in batches:
         kwargs = dict(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False,
                       logits_to_keep=1)
-        with torch.no_grad(), autocast(), features.capture() as feats:
-            if params:
-                torch.func.functional_call(model, params, (), kwargs)
-            else:
-                model(**kwargs)
+        with torch.no_grad(), autocast(), features.capture() as feats, substituted(model, params or {}):
+            model(**kwargs)
         keep = b["attention_mask"].bool()
         for l in features.layers:
             per_layer[l].append(feats[l][keep].float())

@@ -31,7 +31,7 @@ from torch import nn
 from cl_bench.data.encode import IGNORE
 from cl_bench.errors import UserError
 from cl_bench.method import Stage, lm_loss
-from cl_bench.models.modes import eval_mode
+from cl_bench.models.modes import eval_mode, substituted
 from cl_bench.models.moe import decoder_layers
 
 from .supernet import Supernet, balance, straight_through_gumbel
@@ -257,11 +257,8 @@ class LayerFeatures:
         """{layer: (n, d)}: one row's CKA-layer outputs, its own forward (B = 1, no padding)."""
         ids = torch.tensor([ids], device=device)  # (1, n)
         kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, logits_to_keep=1)
-        with torch.no_grad(), self.capture() as feats:
-            if task.snapshot:
-                torch.func.functional_call(self.model, task.snapshot, (), kwargs)
-            else:
-                self.model(**kwargs)
+        with torch.no_grad(), self.capture() as feats, substituted(self.model, task.snapshot):
+            self.model(**kwargs)
         return {l: feats[l][0] for l in self.layers}
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from cl_bench.losses import answer_logits
-from cl_bench.models.modes import forward_readers
+from cl_bench.models.modes import substituted
 from cl_bench.models.moe import moe_layers
 from cl_bench.step_gradients import StepGradients
 
@@ -77,46 +77,3 @@ def teacher_logits(model: nn.Module, ema: dict[str, torch.Tensor],
     `balancing_losses()` block: it adds no balancing term."""
     with torch.no_grad(), dense_routing(model), substituted(model, ema):
         return answer_logits(model, batch)
-
-
-@contextlib.contextmanager
-def substituted(model: nn.Module, values: dict[str, torch.Tensor]):
-    """Inside: each parameter of `model` named in `values` holds that value (in its
-    own dtype) during the forward of the module that reads it (forward_readers), and
-    its own value again after it. The swap happens in forward hooks, inside the window
-    where ZeRO-3 has the parameter gathered (its fetch runs before, its release after:
-    the pre-hook is appended, the post-hook prepended), so it is the same on every
-    backend; torch.func.functional_call would swap plain tensors in for the
-    parameters, which ZeRO-3's fetch hooks cannot gather."""
-    params = dict(model.named_parameters())
-    readers = forward_readers(model)
-    owner = {p: m for m in readers for p in m.parameters(recurse=False)}
-    by_reader: dict[nn.Module, list[tuple[nn.Parameter, torch.Tensor]]] = {}
-    for name, value in values.items():
-        p = params[name]
-        by_reader.setdefault(readers[owner[p]], []).append((p, value))
-    held: dict[nn.Parameter, torch.Tensor] = {}
-
-    def swap_in(pairs):
-        def hook(module, args):
-            for p, value in pairs:
-                held[p], p.data = p.data, value.to(p.dtype)
-        return hook
-
-    def swap_out(pairs):
-        def hook(module, args, output):
-            for p, _ in pairs:
-                p.data = held.pop(p)
-        return hook
-
-    handles = []
-    try:
-        for reader, pairs in by_reader.items():
-            handles.append(reader.register_forward_pre_hook(swap_in(pairs)))
-            handles.append(reader.register_forward_hook(swap_out(pairs), prepend=True))
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-        for p, value in held.items():  # a forward that raised between the two hooks
-            p.data = value

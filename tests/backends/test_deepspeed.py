@@ -263,15 +263,20 @@ def test_zero3_trains_added_experts_checkpoints_and_resumes(trace_dir, tmp_path,
 
 
 @pytest.mark.slow
-def test_zero3_flagship_outer_gradient_stays_out_of_the_reduction(trace_dir, tmp_path):
+@pytest.mark.parametrize("args", [[], ["--method-arg", "train_shared=true"]], ids=["default", "train-shared"])
+def test_zero3_flagship_outer_gradient_stays_out_of_the_reduction(trace_dir, tmp_path, args):
     """bilevel-cka on ZeRO-3 with DeepSpeed's default buckets (one rank): its outer step
     takes the mask logits' gradient through the MoE layers, ZeRO-3's leaf modules,
     inside `ctx.grads.apart()` (ZeroPhase.apart), so their reduction hooks run once a
     step and the run is the torch backend's. Without apart() the experts are queued
-    twice in one bucket and DeepSpeed asserts (checked: the mutation fails this test);
-    with tiny buckets (the two-rank test's) the duplicate flushes unseen in between."""
+    twice in one bucket and DeepSpeed asserts (checked: the mutation fails this test;
+    so does putting the hooks not back after it); with tiny buckets (the two-rank
+    test's) the duplicate flushes unseen in between. train_shared=true: the CKA
+    reference runs the pre-task snapshot of the shared weights in their place
+    (models/modes.substituted; torch.func.functional_call there fails at ZeRO-3:
+    checked)."""
     ds, plain = tmp_path / "ds", tmp_path / "torch"
-    flagship = ["--method", "bilevel-cka", "--set", "eval.batch_size=3"]
+    flagship = ["--method", "bilevel-cka", "--set", "eval.batch_size=3", *args]
     assert run_cli(*smoke_args(trace_dir, ds, *flagship, "--backend", "deepspeed", "--zero", "3")) == 0
     assert run_cli(*smoke_args(trace_dir, plain, *flagship)) == 0
     assert any("replay_mask_loss" in row for row in log_rows(only_run(ds)))  # the outer step ran

@@ -13,6 +13,17 @@ from cl_bench.models.loading import tiny_llama
 D, H, K, h = 64, 128, 8, 16
 
 
+@pytest.fixture(autouse=True)
+def seeded():
+    """Every test starts from the same global RNG (router rows are drawn from it), so
+    its data does not depend on the tests run before it in the process (order, xdist:
+    a gradient check failed at atol 1e-6 after tests/models/test_modes.py moved the
+    RNG; with this it passes at seeds 0-7)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        yield
+
+
 @pytest.fixture
 def dense():
     model, _, _ = tiny_llama(0)
