@@ -15,7 +15,8 @@ rates at this shape. Records ran one thread each; so do the estimates.
 Machines differ several-fold in speed, so a record's seconds are scaled to this
 machine: x its `machine.matmul.gflops` (cl_bench/run/machine.py: a CALIBRATION_SHAPE
 product at the run's training precision, taken at its start, and at each --resume's
-for the stages from there) / the same product's rate here at one thread, measured once
+for the stages from there) / the same product's rate here at one thread (in its
+thread's CPU time, so this machine's other jobs do not read as a slower machine), measured once
 per precision when first needed (a record at two threads has its calibration at two
 threads too, so the ratio roughly carries it to one as well). Records made before runs named
 their machine (all committed ones until issue 52) are used unscaled and the estimate
