@@ -380,6 +380,22 @@ def test_a_benchmarks_runs_are_priced_by_its_own_records_only(tmp_path):
     assert lora.token_s == pytest.approx(0.01)
 
 
+def test_a_method_with_no_family_measured_scales_by_the_median_of_the_methods_measured_at_both(tmp_path):
+    """CaRE (no MoE method measured on long-sequence) scales from TRACE by the median
+    ratio of every method measured at both, so one slow record (SeqFT's, 4x dearer a
+    step on long-sequence, where LoRA and Replay are 1x and 1.5x) does not set it.
+    Mutations caught: the baseline's ratio alone (4x), the mean (2.17x)."""
+    long_at = ("m", "bf16", 8, 4, 256, 96, "long-sequence")
+    for method, trace, long in (("seqft", 1.0, 4.0), ("lora", 1.0, 1.0), ("replay", 2.0, 3.0)):
+        _record(tmp_path, f"{method}-trace", method, [trace, trace], 0.01)
+        _record(tmp_path, f"{method}-long", method, [long, long], 0.02, benchmark="long-sequence")
+    _record(tmp_path, "care-trace", "care", [2.0, 3.0], 0.01)
+    care = estimate.Timings(tmp_path).rates("care", long_at)
+    assert care.scaled and care.step_s == pytest.approx({"A": 2.0 * 1.5, "B": 3.0 * 1.5})
+    assert care.token_s == pytest.approx(0.02)
+    assert "median ratio between the shapes of the methods measured at both (lora, replay, seqft)" in care.source
+
+
 def test_dry_run_prints_the_scale_and_marks_an_unscaled_estimate(trace_dir, tmp_path, rate_here, capsys):
     """The dry run's rows: SeqFT's from a record of a machine twice as fast (fp32: 100
     GFLOP/s there, 50 here), twice its seconds, unmarked; LoRA's from a record without a

@@ -7,10 +7,10 @@ step shape (model, train precision, batch and micro-batch, prompt and answer
 lengths, and the benchmark: its prompts' lengths and its answers' budgets are its own;
 the profile's name and its epochs do not change a step). A method with no
 such record gets a scaled estimate, marked as one: its record at another shape
-times the ratio between the two shapes of the methods of its family
+times the median ratio between the two shapes of the methods of its family
 (Method.lr_family: an MoE method scales as the MoE methods measured at both do,
-not as dense fine-tuning), else of the baseline (SeqFT), else the baseline's own
-rates at this shape. Records ran one thread each; so do the estimates.
+not as dense fine-tuning), else of every method measured at both, else the
+baseline's (SeqFT's) own rates at this shape. Records ran one thread each; so do the estimates.
 
 Machines differ several-fold in speed, so a record's seconds are scaled to this
 machine: x its `machine.matmul.gflops` (cl_bench/run/machine.py: a CALIBRATION_SHAPE
@@ -32,7 +32,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import mean
+from statistics import mean, median
 
 import torch
 
@@ -207,20 +207,29 @@ class Timings:
                                    scaled=True)
 
     def _ratio(self, method: str, other: tuple, at: tuple) -> tuple[float, float, str] | None:
-        """How much dearer a step and a budget token are at `at` than at `other`, from
-        the methods of `method`'s family (Method.lr_family: full, adapter, expert)
-        measured at both, else from the baseline."""
+        """How much dearer a step and a budget token are at `at` than at `other`: the
+        median over the methods of `method`'s family (Method.lr_family: full, adapter,
+        expert) measured at both, else over every method measured at both. The median,
+        as one method's record can be slow for reasons of its own (SeqFT's long-sequence
+        run shared its 2 cores with other runs: its steps read twice as dear as TRACE's
+        where the other three methods' read 0.8-1.4x)."""
         family = registry.get(method).lr_family
-        peers = sorted({m for m, _ in self.by_key if m != method and registry.get(m).lr_family == family}
-                       if family else set())
-        for group, kind in ((peers, f"the {family} family's"), ([registry.baseline()], "")):
+        others = sorted({m for m, _ in self.by_key if m != method})
+        peers = [m for m in others if family and registry.get(m).lr_family == family]
+        for group, kind in ((peers, f"the {family} family's"), (others, "")):
             found = [(m, self._pooled(m, at), self._pooled(m, other)) for m in group]
             pairs = [(a, b) for _, a, b in found if a is not None and b is not None]
             if pairs:
-                names = ", ".join(m for m, a, b in found if a is not None and b is not None)
-                why = f"{kind} ratio between the shapes ({names})" if kind else f"{names}'s ratio between the shapes"
-                step = mean(mean(a.step(t) / b.step(t) for t in b.step_s) for a, b in pairs)
-                token = mean(a.token_s / b.token_s for a, b in pairs)
+                names = [m for m, a, b in found if a is not None and b is not None]
+                ratio = "ratio between the shapes" if len(names) == 1 else "median ratio between the shapes"
+                if kind:
+                    why = f"{kind} {ratio} ({', '.join(names)})"
+                elif len(names) == 1:
+                    why = f"{names[0]}'s {ratio}"
+                else:
+                    why = f"the {ratio} of the methods measured at both ({', '.join(names)})"
+                step = median(mean(a.step(t) / b.step(t) for t in b.step_s) for a, b in pairs)
+                token = median(a.token_s / b.token_s for a, b in pairs)
                 return step, token, why
         return None
 
