@@ -291,7 +291,8 @@ def _add_tune(sub) -> None:
     p.add_argument("--view", choices=["tuned", "shared"], default="tuned",
                    help="leaderboard: the tuned rows (default) or each method at the arguments it has without any")
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
-                   help="leaderboard, verdict: skip run folders matching GLOB, relative to --records (repeatable)")
+                   help="finals, leaderboard, verdict: skip run folders matching GLOB, relative to --records, "
+                        "beside the grid's finals.exclude (repeatable)")
     p.add_argument("--top", type=int, default=5, help="verdict: how many top rows' order to compare (default 5)")
     p.add_argument("--update-readme", type=Path, metavar="FILE",
                    help="leaderboard, sensitivity: also write the table between the section's markers of FILE")

@@ -28,14 +28,15 @@ def main(args) -> int:
 
     grid = grids.load(args.grid)
     records = plan.Records(args.records, Path("."))
+    not_rows = grid.finals.exclude + args.exclude  # record folders that are no leaderboard's rows
     if args.action in ("plan", "finals"):
         if args.action == "plan":
             text = plan.tuning_plan(grid, records, rule.decided_rates(grid, records))
         else:
             tuned_path, chosen = config_tuned.read(grid.profile, grid.benchmark)
             f = grid.finals
-            text = plan.finals_plan(grid, tuned_path.relative_to(config_tuned.ROOT), chosen, records, f.output,
-                                    f.seeds, f.seeded)
+            text = plan.finals_plan(grid, tuned_path.relative_to(config_tuned.ROOT), chosen,
+                                    plan.Records(args.records, Path("."), not_rows), f.output, f.seeds, f.seeded)
         _emit(args.out, text, atomic_write_text)
         return 0
     if args.action == "choose":
@@ -55,21 +56,22 @@ def main(args) -> int:
             print(sensitivity.figure(table, args.out / "sensitivity.png"), file=sys.stderr)
         _readme(args, text, "sensitivity")
         return 0
-    runs = leaderboard.load_runs(args.records, args.exclude)
+    runs = leaderboard.load_runs(args.records, not_rows)
     shared = tuned.expected_args({m: {} for m in grid.methods}, grid.profile, grid.benchmark)
+
+    def board(view: str) -> list:
+        wanted = shared if view == "shared" else _at_tuned(grid)
+        return tuned.check_rows(tuned.select(runs, wanted, grid.profile, grid.benchmark), view, grid.finals,
+                                list(wanted))
+
     if args.action == "leaderboard":
-        wanted = shared if args.view == "shared" else _at_tuned(grid)
-        table = leaderboard.format_table(
-            leaderboard.build_table(tuned.select(runs, wanted, grid.profile, grid.benchmark)), "md")
+        table = leaderboard.format_table(leaderboard.build_table(board(args.view)), "md")
         print(table, end="")
         _readme(args, table, "tuned-leaderboard")
         return 0
     if args.top < 1:
         raise UserError(f"--top {args.top} must be at least 1")
-    at_tuned = _at_tuned(grid)
-    print(sensitivity.format_verdict(sensitivity.verdict(tuned.select(runs, shared, grid.profile, grid.benchmark),
-                                                         tuned.select(runs, at_tuned, grid.profile, grid.benchmark),
-                                                         args.top)), end="")
+    print(sensitivity.format_verdict(sensitivity.verdict(board("shared"), board("tuned"), args.top)), end="")
     return 0
 
 

@@ -69,6 +69,10 @@ class Finals:
     seeds: list[int]
     seeded: list[str]
     sets: list[str] = field(default_factory=list)  # SECTION.FIELD=VALUE of every finals run (--set)
+    # Record folders (globs relative to the records folder) that are not leaderboard rows: the
+    # finals keep none of them as a row and the tuned and shared leaderboards read none, so a row
+    # the finals keep is one the boards show.
+    exclude: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -193,9 +197,13 @@ def _finals(path: Path, raw, grids: dict[str, MethodGrid]) -> Finals:
     from cl_bench import registry
 
     if not isinstance(raw, dict) or not isinstance(raw.get("output"), str) or set(raw) - {"output", "seeds", "seeded",
-                                                                                           "set"}:
+                                                                                           "set", "exclude"}:
         raise _fail(path, "finals", "give {output: results/tuned/<profile>, seeds: [1234, 2, 3], seeded: [...], "
-                                    "set: [SECTION.FIELD=VALUE, ...]}")
+                                    "set: [SECTION.FIELD=VALUE, ...], exclude: [GLOB, ...]}")
+    exclude = raw.get("exclude") or []
+    if not isinstance(exclude, list) or not all(isinstance(x, str) and x for x in exclude):
+        raise _fail(path, "finals.exclude", f"{exclude!r} must be a list of folder globs relative to the records, "
+                                            "e.g. ['sweeps/*']")
     sets = raw.get("set") or []
     if not isinstance(sets, list) or not all(isinstance(x, str) and "=" in x and "." in x.split("=")[0] for x in sets):
         raise _fail(path, "finals.set", f"{sets!r} must be a list of SECTION.FIELD=VALUE, e.g. [general.lima=64]")
@@ -206,7 +214,7 @@ def _finals(path: Path, raw, grids: dict[str, MethodGrid]) -> Finals:
     seeded = [registry.get(str(m)).name for m in raw.get("seeded") or []]
     if set(seeded) - set(grids):
         raise _fail(path, "finals.seeded", f"{sorted(set(seeded) - set(grids))} are not methods of the grid")
-    return Finals(Path(raw["output"]), seeds, seeded, list(sets))
+    return Finals(Path(raw["output"]), seeds, seeded, list(sets), list(exclude))
 
 
 def third_and_triple(rate: float) -> list[float]:

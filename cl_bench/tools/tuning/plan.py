@@ -23,7 +23,6 @@ import shlex
 from pathlib import Path
 
 from cl_bench import registry
-from cl_bench.record import io as results
 from cl_bench.tools.campaign.plan import TUNING_MARK, Entry, planned
 from cl_bench.errors import UserError
 from cl_bench.tools.tuning.grid import Grid, refuse_test_split
@@ -69,12 +68,15 @@ def fits(record: dict, config, method_args) -> bool:
 
 
 class Records:
-    """The complete run records under a folder, by method."""
+    """The complete run records under a folder, by method, but those in run folders
+    matching a glob of `exclude` (relative to the folder, as --exclude's)."""
 
-    def __init__(self, folder: Path, root: Path):
+    def __init__(self, folder: Path, root: Path, exclude: list[str] = ()):
+        from cl_bench.report.leaderboard.files import record_paths
+
         self.root = root
         self.by_method: dict[str, list[tuple[Path, dict]]] = {}
-        for path in sorted((root / folder).rglob(results.RUN_FILE)) if (root / folder).is_dir() else []:
+        for path in record_paths(root / folder, exclude) if (root / folder).is_dir() else []:
             try:
                 data = json.loads(path.read_text(encoding="utf-8"))
             except (OSError, ValueError):

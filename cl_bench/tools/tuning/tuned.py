@@ -12,11 +12,14 @@ profile's fields are that benchmark's, through the registry).
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from cl_bench import config as cfg
 from cl_bench import registry
 from cl_bench.benchmark import DEFAULT as DEFAULT_BENCHMARK
 from cl_bench.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 def default_args(method: str, profile: str, benchmark: str = DEFAULT_BENCHMARK) -> dict:
@@ -54,3 +57,27 @@ def select(runs: list, args: dict[str, dict], profile: str, benchmark: str = DEF
         if wanted is not None and run.method_args == wanted:
             keep.append(run)
     return keep
+
+
+def check_rows(runs: list, board: str, finals, ranked: list[str]) -> list:
+    """`runs` (select's), refused in one line where a ranked method has two runs at one
+    seed (they would be pooled as two replicates) or none at the finals' first seed (the
+    rows' own: a row the finals keep but the board's excludes drop would go missing
+    unseen); a seeded method short of the finals' other seeds is said on stderr (the
+    extra seeds are cut first where hours run short). `finals`: the grid's (grid.Finals)."""
+    seeds: dict[str, dict[int, list[str]]] = {m: {} for m in ranked}
+    for run in runs:
+        if run.method in seeds:
+            seeds[run.method].setdefault(run.seed, []).append(str(run.source.parent))
+    faults = [f"{m} seed {seed}: {len(folders)} runs ({', '.join(folders)})"
+              for m, by_seed in seeds.items() for seed, folders in by_seed.items() if len(folders) > 1]
+    faults += [f"{m}: no run at seed {finals.seeds[0]}" for m, by_seed in seeds.items() if finals.seeds[0] not in by_seed]
+    if faults:
+        raise UserError(f"the {board} leaderboard: {'; '.join(faults)}; a row is one run at each seed: finish the "
+                        "finals (`cl-bench tune finals`, then `cl-bench campaign`), and leave out duplicates with "
+                        "the grid's finals.exclude or --exclude")
+    short = [f"{m} ({', '.join(str(x) for x in finals.seeds[1:] if x not in seeds[m])})"
+             for m in finals.seeded if m in seeds and set(finals.seeds) - set(seeds[m])]
+    if short:
+        log.warning("the %s leaderboard pools fewer seeds than the finals give: %s", board, "; ".join(short))
+    return runs

@@ -4,6 +4,7 @@ and the rule that keeps the base value unless another beats it at 95%."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,9 @@ def test_the_rule_takes_another_rate_when_it_beats_the_base_at_95(tmp_path, fake
     tie = rule.decide({1e-5: runs[1e-5].relative_to(tmp_path), 3e-5: runs[1e-5].relative_to(tmp_path)}, 1e-5,
                       tmp_path)
     assert tie["best"] == 1e-5 and tie["best_vs_base"] is None  # a tie goes to the base
+    below = rule.decide({3e-6: runs[1e-5].relative_to(tmp_path), 1e-5: runs[1e-5].relative_to(tmp_path)}, 1e-5,
+                        tmp_path)
+    assert below["best"] == 1e-5  # also where the tied value is the smaller (mutation: the tie-break dropped)
 
 
 def test_the_rule_refuses_a_run_that_scored_the_test_split(tmp_path, fake_run):
@@ -181,3 +185,8 @@ def test_the_strength_is_tuned_after_the_rate_at_the_chosen_rate(tmp_path, fake_
     tuned = rule.choose(g, records)["methods"]["ewc"]
     assert tuned["args"] == {"lr": 3e-5, "lambda_ewc": 1e4}  # 1e5 is not higher than the default at 95%
     assert tuned["lambda_ewc"]["runs"][1e4] == "results/tuning/ewc-lr3e-5"
+    # A strength that beats the default at 95% is taken (mutation caught: the strength kept at its default).
+    args = {"lr": 3e-5, "lambda_ewc": 1e5}
+    shutil.rmtree(tmp_path / g.folder("ewc", args))
+    fake_run(tmp_path / g.folder("ewc", args), "ewc", args, [40, 40, 40])
+    assert rule.choose(g, records)["methods"]["ewc"]["args"] == {"lr": 3e-5, "lambda_ewc": 1e5}

@@ -134,6 +134,43 @@ def test_the_finals_run_each_method_at_its_tuned_arguments_on_the_test_split_see
     assert [c.method_args.get("lr") for c in configs] == [3e-5, 3e-5, 1e-5, 1e-5]
     assert all(c.tuned.startswith("configs/tuned/smoke.yaml@") for c in configs)
     assert [c.general.lima for c in configs] == [4, 4, 4, 4]
+    # A folder the boards leave out (the grid's finals.exclude) is no row to keep: the seed is run
+    # anew. Mutation caught: Records ignoring its exclude (the excluded row kept).
+    apart = plan.finals_plan(g, Path("configs/tuned/smoke.yaml"), config_tuned.load(config_tuned.path_for("smoke")),
+                             plan.Records(Path("results"), tmp_path, ["ewc-smoke-*"]), g.finals.output,
+                             g.finals.seeds, g.finals.seeded)
+    assert "results/tuned/ewc-seed2: " in apart and "kept:" not in apart
+
+
+def test_a_board_refuses_two_runs_at_one_seed_or_none_at_the_rows_own_and_says_missing_extra_seeds(
+        tmp_path, fake_run, caplog):
+    """Each ranked method's row is one run per seed, seed 1234 among them. Mutations caught:
+    check_rows returning the runs unchecked (the duplicate pooled, the missing row unseen),
+    the extra seeds' warning dropped."""
+    from cl_bench.tools.tuning.grid import Finals
+
+    finals = Finals(Path("results/tuned"), [1234, 2, 3], ["seqft"])
+    shared = tuned.expected_args({"seqft": {}, "ewc": {}}, "smoke")
+    runs = tmp_path / "results"
+    fake_run(runs / "seqft", "seqft", shared["seqft"], [30] * 3, split="test")
+    fake_run(runs / "seqft-seed2", "seqft", shared["seqft"], [30] * 3, split="test", seed=2)
+    fake_run(runs / "ewc", "ewc", shared["ewc"], [20] * 3, split="test")
+
+    def board():
+        return tuned.check_rows(tuned.select(load_runs(runs), shared, "smoke"), "shared", finals, list(shared))
+
+    with caplog.at_level("WARNING"):
+        assert len(board()) == 3
+    assert "pools fewer seeds than the finals give: seqft (3)" in caplog.text
+    fake_run(runs / "calibration" / "seqft-lr", "seqft", shared["seqft"], [10] * 3, split="test")
+    with pytest.raises(UserError) as e:
+        board()
+    assert "seqft seed 1234: 2 runs (" in str(e.value) and "calibration/seqft-lr" in str(e.value)
+    assert "\n" not in str(e.value)
+    (runs / "calibration" / "seqft-lr" / "run.json").unlink()
+    (runs / "ewc" / "run.json").unlink()
+    with pytest.raises(UserError, match="the shared leaderboard: ewc: no run at seed 1234; "):
+        board()
 
 
 def test_the_commands_from_plan_to_verdict(repo, fake_run, monkeypatch, capsys):
