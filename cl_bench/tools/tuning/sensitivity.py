@@ -7,9 +7,11 @@ chosen rate, each with its 95% interval over the eval items (the run's record,
 cl_bench/metrics/intervals.py); a table (Markdown) and a figure (one panel per method:
 Last Acc and BWT against the value, log scale).
 
-Verdict (`cl-bench tune verdict GRID`): rows are methods, present in both
+Verdict (`cl-bench tune verdict GRID`): rows are the ranked methods present in both
 leaderboards (the shared-rate one, every method at the arguments it has without
-any, and the tuned one; tuned.select). Rank agreement is Spearman's rho between
+any, and the tuned one; tuned.select). The reference rows (multitask, individual)
+are left out: they are the same runs in both, so they would pull rho toward 1 and
+fill top places (decided 2026-12-06, before any finals run). Rank agreement is Spearman's rho between
 the two orders of Last Acc,
 
     rho = 1 - 6 sum_i d_i^2 / (n (n^2 - 1))   (ranks with ties averaged: rho is
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cl_bench import registry
 from cl_bench.metrics import bootstrap
 from cl_bench.metrics.cl import summaries
 from cl_bench.metrics.intervals import record_intervals
@@ -150,7 +153,7 @@ def _by_method(runs: list) -> dict[str, tuple[float, np.ndarray | None]]:
 def verdict(shared: list, tuned: list, top: int = 5) -> dict:
     """The rank-order verdict (module docstring) between two leaderboards' runs."""
     a, b = _by_method(shared), _by_method(tuned)
-    methods = sorted(set(a) & set(b))
+    methods = sorted(m for m in set(a) & set(b) if not registry.get(m).reference)
     out = {"methods": methods, "top": top,
            "shared_order": sorted(methods, key=lambda m: -a[m][0]), "tuned_order": sorted(methods, key=lambda m: -b[m][0])}
     out["top_changed"] = out["shared_order"][:top] != out["tuned_order"][:top]
@@ -166,8 +169,9 @@ def verdict(shared: list, tuned: list, top: int = 5) -> dict:
         ci_a = bootstrap.interval(a[m1][1] - a[m2][1])
         ci_b = bootstrap.interval(b[m1][1] - b[m2][1])
         if ci_a and ci_b and ((ci_a[0] > 0 and ci_b[1] < 0) or (ci_a[1] < 0 and ci_b[0] > 0)):
-            first, second = (m1, m2) if ci_a[0] > 0 else (m2, m1)
-            trades.append({"shared_ahead": first, "tuned_ahead": second, "shared_ci": ci_a, "tuned_ci": ci_b})
+            if ci_a[0] < 0:  # m2 is ahead at the shared rate: name it first, its intervals m2 - m1
+                m1, m2, ci_a, ci_b = m2, m1, (-ci_a[1], -ci_a[0]), (-ci_b[1], -ci_b[0])
+            trades.append({"shared_ahead": m1, "tuned_ahead": m2, "shared_ci": ci_a, "tuned_ci": ci_b})
     out["trades"] = trades
     return out
 
@@ -179,7 +183,8 @@ def format_verdict(v: dict) -> str:
              f"Spearman's rho of Last Acc, shared-rate against tuned: {rho}{ci} (95%, paired bootstrap over items)",
              f"top {v['top']} shared-rate: {', '.join(v['shared_order'][:v['top']])}",
              f"top {v['top']} tuned:       {', '.join(v['tuned_order'][:v['top']])}",
-             f"the top rows' order {'changes' if v['top_changed'] else 'does not change'}"]
+             f"the top rows' order {'changes' if v['top_changed'] else 'does not change'} (point estimates; "
+             "what differs at 95% is the pairs below)"]
     if not v["trades"]:
         lines.append("rows that trade places at 95%: none")
     for t in v["trades"]:

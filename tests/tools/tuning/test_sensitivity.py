@@ -61,7 +61,11 @@ def test_rows_that_trade_places_at_95_are_named_and_the_rank_correlation_has_an_
     lo, hi = v["rho_ci"]
     assert lo - 1e-9 <= 0.6 <= hi + 1e-9 and lo < hi  # a replicate that draws none of mofo's missed item ties them
     text = sensitivity.format_verdict(v)
-    assert "trade places at 95%: seqft ahead of ewc at the shared rate" in text and "order changes" in text
+    assert "trade places at 95%: seqft ahead of ewc at the shared rate [+" in text and "order changes" in text
+    # each interval is of the first named minus the second: above 0 shared, below 0 tuned (mutation caught:
+    # the intervals of the pair in sorted order, ewc minus seqft, printed beside "seqft ahead of ewc")
+    (trade,) = v["trades"]
+    assert trade["shared_ci"][0] > 0 and trade["tuned_ci"][1] < 0 and ", behind it tuned [-" in text
 
 
 def test_the_same_order_in_both_leaderboards_is_rho_1_and_no_trades(tmp_path, fake_run):
@@ -69,6 +73,17 @@ def test_the_same_order_in_both_leaderboards_is_rho_1_and_no_trades(tmp_path, fa
     v = sensitivity.verdict(_board(fake_run, tmp_path / "a", finals), _board(fake_run, tmp_path / "b", finals))
     assert v["rho"] == pytest.approx(1.0) and v["rho_ci"] == (1.0, 1.0) and v["trades"] == [] and not v["top_changed"]
     assert "rows that trade places at 95%: none" in sensitivity.format_verdict(v)
+
+
+def test_the_verdict_ranks_the_ranked_methods_alone(tmp_path, fake_run):
+    """The reference rows are the same runs in both boards: left out, they neither raise
+    rho nor take a top place. Mutation caught: the reference rows kept (rho 0.5 and
+    multitask first in both)."""
+    v = sensitivity.verdict(_board(fake_run, tmp_path / "a", {"seqft": [36] * 3, "ewc": [20] * 3,
+                                                              "multitask": [40] * 3}),
+                            _board(fake_run, tmp_path / "b", {"seqft": [20] * 3, "ewc": [36] * 3,
+                                                              "multitask": [40] * 3}), top=1)
+    assert v["methods"] == ["ewc", "seqft"] and v["rho"] == pytest.approx(-1.0) and v["top_changed"]
 
 
 def test_the_sensitivity_command_writes_table_figure_and_json_and_the_site_shows_them(tmp_path, fake_run,
