@@ -4,6 +4,7 @@ and the rule that keeps the base value unless another beats it at 95%."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 
@@ -153,6 +154,17 @@ def test_the_rule_takes_another_rate_when_it_beats_the_base_at_95(tmp_path, fake
     below = rule.decide({3e-6: runs[1e-5].relative_to(tmp_path), 1e-5: runs[1e-5].relative_to(tmp_path)}, 1e-5,
                         tmp_path)
     assert below["best"] == 1e-5  # also where the tied value is the smaller (mutation: the tie-break dropped)
+
+
+def test_choose_waits_for_a_rate_run_that_is_not_complete(tmp_path, fake_run):
+    """Mutation caught: `_folders` without its status check reads a running run's partial record."""
+    g = smoke_grid(tmp_path, methods={"seqft": SMOKE_GRID["methods"]["seqft"]},
+                   finals={"output": "results/tuned", "seeded": []})
+    runs = _rates(fake_run, tmp_path, g, {3e-6: [20, 20, 20], 1e-5: [30, 30, 30], 3e-5: [38, 38, 38]})
+    record = json.loads((runs[3e-5] / "run.json").read_text())
+    (runs[3e-5] / "run.json").write_text(json.dumps({**record, "status": "running"}))
+    with pytest.raises(UserError, match=r"tuning runs not complete for seqft \(rate\)"):
+        rule.choose(g, plan.Records(Path("results"), tmp_path))
 
 
 def test_the_rule_refuses_a_run_that_scored_the_test_split(tmp_path, fake_run):

@@ -108,3 +108,9 @@ def test_the_sensitivity_command_writes_table_figure_and_json_and_the_site_shows
     assert "<td>1e-05 (base)</td><td>63.3 [" in html and "<td>3e-05</td><td>not run</td>" in html
     assert 'src="../../results/tuning/sensitivity.png"' in html
     assert 'href="sensitivity/tuning.html"' in index.read_text()
+
+
+def test_tied_values_share_their_average_rank():
+    """Ranks 1.5, 1.5, 3 against 1, 2, 3: Pearson's r of the ranks, 1.5 / sqrt(1.5 * 2).
+    Mutation caught: ranks by a stable sort, ties unshared (rho 1)."""
+    assert sensitivity._spearman([20.0, 20.0, 30.0], [1.0, 2.0, 3.0]) == pytest.approx(1.5 / (1.5 * 2) ** 0.5)

@@ -140,6 +140,11 @@ def test_the_finals_run_each_method_at_its_tuned_arguments_on_the_test_split_see
                              plan.Records(Path("results"), tmp_path, ["ewc-smoke-*"]), g.finals.output,
                              g.finals.seeds, g.finals.seeded)
     assert "results/tuned/ewc-seed2: " in apart and "kept:" not in apart
+    # A method not in `seeded` runs at the first seed alone (mutation caught: every method at every seed).
+    once = plan.finals_plan(g, Path("configs/tuned/smoke.yaml"), config_tuned.load(config_tuned.path_for("smoke")),
+                            plan.Records(Path("results"), tmp_path), g.finals.output, g.finals.seeds, ["seqft"])
+    assert "results/tuned/seqft-seed2: " in once and "--method ewc --tuned --seed 2" not in once
+    assert "results/tuned/ewc: " in once
 
 
 def test_a_board_refuses_two_runs_at_one_seed_or_none_at_the_rows_own_and_says_missing_extra_seeds(
