@@ -299,6 +299,12 @@ class RunRecord:
         return train if train == evaluate else f"train {train}, eval {evaluate}"
 
     @property
+    def split(self) -> str:
+        """The split its scores are on (data.test_split): 'test', or 'eval' for a tuning
+        run. Records from before the field existed scored the test split."""
+        return ((self.config or {}).get("data") or {}).get("test_split") or "test"
+
+    @property
     def generator(self) -> str:
         """What decoded its evaluations (eval.generator): 'hf' or 'vllm'. Records from
         before `backend.generator` existed decoded with hf."""

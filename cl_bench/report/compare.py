@@ -131,7 +131,8 @@ def compare(run_dirs: list[Path], resamples: int = bootstrap.RESAMPLES) -> dict[
         general = compare_general(rec.general, base_rec.general, resamples)
         out.append({"run": str(d), "method": rec.method, "summaries": rows, "tasks": tasks,
                     **({"general": general} if general else {}), **({"decisions": decisions} if decisions else {})})
-    return {"baseline": str(run_dirs[0]), "baseline_method": base_rec.method, "resamples": resamples,
+    return {"baseline": str(run_dirs[0]), "baseline_method": base_rec.method, "split": base_rec.split,
+            "resamples": resamples,
             "seed": SEED, "level": bootstrap.LEVEL, "comparisons": out}
 
 
@@ -151,7 +152,8 @@ def format_comparison(result: dict[str, Any]) -> str:
                          f"{r['diff']:+.{k}f}", "–" if ci is None else f"[{ci[0]:+.{k}f}, {ci[1]:+.{k}f}]",
                          "–" if r["p"] is None else f"{r['p']:.3f}", verdict])
     head = ["run", "summary", "run", "baseline", "difference", "95% interval", "p", "at 95%"]
-    text = (f"baseline: {result['baseline']} ({result['baseline_method']}); paired bootstrap over test items, "
+    text = (f"baseline: {result['baseline']} ({result['baseline_method']}); paired bootstrap over "
+            f"{result.get('split', 'test')} items, "
             f"{result['resamples']} resamples\n" + tabulate(rows, head, tablefmt="github", disable_numparse=True))
     for comp in result["comparisons"]:
         if "decisions" in comp:

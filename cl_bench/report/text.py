@@ -67,7 +67,7 @@ def format_matrix(record: RunRecord, intervals: dict | None = None) -> str:
            _table(record, zero_cells, cells, ["after stage", *tasks])]
     out.append(summary_line(record, iv))
     if iv:
-        out.append(f"[95% bootstrap intervals over test items, {iv['resamples']} paired resamples, "
+        out.append(f"[95% bootstrap intervals over {record.split} items, {iv['resamples']} paired resamples, "
                    f"seed {iv['seed']}; items per task: {', '.join(map(str, iv['n_items']))}]")
         pct = lambda v: "–" if v is None else f"{100 * v:.0f}%"  # noqa: E731
         zf = iv.get("zero_shot_form_share") if zero is not None else None

@@ -28,9 +28,9 @@ def decide(runs: dict[float, Path], base: float, root: Path) -> dict:
     last = {}
     for value, folder in runs.items():
         record = read_record(root / folder)
-        split = ((record.config or {}).get("data") or {}).get("test_split", "test")
-        if split != "eval":
-            raise UserError(f"{folder}: scored the {split} split; the rule reads tuning runs on the eval split only")
+        if record.split != "eval":
+            raise UserError(f"{folder}: scored the {record.split} split; the rule reads tuning runs on the eval split "
+                            "only")
         last[value] = record.summary["last_acc"]
     best = max(sorted(runs), key=lambda v: (last[v], v == base))
     out = {"base": base, "best": best, "chosen": base, "best_vs_base": None,

@@ -46,8 +46,7 @@ def select(runs: list, args: dict[str, dict], profile: str, benchmark: str = DEF
     order = bench.resolve_order(cfg.resolve(profile, None, {"data": {"benchmark": benchmark}}).data.order)
     keep = []
     for run in runs:
-        split = ((run.config or {}).get("data") or {}).get("test_split") or "test"
-        if run.benchmark != bench.name or run.profile != profile or list(run.tasks) != order or split != "test":
+        if run.benchmark != bench.name or run.profile != profile or list(run.tasks) != order or run.split != "test":
             continue
         try:
             cls = registry.get(run.method)

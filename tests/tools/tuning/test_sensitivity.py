@@ -114,3 +114,16 @@ def test_tied_values_share_their_average_rank():
     """Ranks 1.5, 1.5, 3 against 1, 2, 3: Pearson's r of the ranks, 1.5 / sqrt(1.5 * 2).
     Mutation caught: ranks by a stable sort, ties unshared (rho 1)."""
     assert sensitivity._spearman([20.0, 20.0, 30.0], [1.0, 2.0, 3.0]) == pytest.approx(1.5 / (1.5 * 2) ** 0.5)
+
+
+def test_show_and_compare_name_the_split_a_tuning_run_scored(tmp_path, fake_run, capsys):
+    """A tuning run's intervals are over eval items, and say so. Mutation caught: the
+    split written as "test" whatever the record scored."""
+    from helpers import run_cli
+
+    a = fake_run(tmp_path / "a", "seqft", {"lr": 1e-5}, [30] * 3)
+    b = fake_run(tmp_path / "b", "seqft", {"lr": 3e-5}, [36] * 3)
+    assert run_cli("show", a) == 0
+    assert "[95% bootstrap intervals over eval items, " in capsys.readouterr().out
+    assert run_cli("compare", a, b) == 0
+    assert "paired bootstrap over eval items, " in capsys.readouterr().out
