@@ -55,3 +55,4 @@ readme: install
 	$(VENV)/bin/cl-bench claims scripts/claims/flagship.yaml --update-readme docs/results.md > /dev/null
 	$(VENV)/bin/cl-bench leaderboard --runs results/long --update-readme docs/results.md --section flagship-long > /dev/null
 	$(VENV)/bin/cl-bench leaderboard --runs results/long-sequence --update-readme docs/results.md --section long-sequence > /dev/null
+	$(VENV)/bin/cl-bench tune sensitivity configs/tuning/cpu.yaml --out results/tuning/cpu --update-readme docs/results.md > /dev/null
