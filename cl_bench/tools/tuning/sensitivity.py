@@ -109,8 +109,16 @@ def figure(table: list[dict], path: Path) -> Path:
         if base is not None:
             ax.axvline(base, color="grey", lw=0.8, ls=":")
         ax.set_xscale("log")
+        grid_values = [r["value"] for r in rates]  # every panel spans its whole grid, run or not
+        ax.set_xlim(min(grid_values) / 1.6, max(grid_values) * 1.6)
+        ax.set_xticks(grid_values, [f"{v:g}" for v in grid_values], fontsize=7)
+        ax.minorticks_off()
+        if not any(r[s.key] and r[s.key][0] is not None for r in rates for s in SHOWN):
+            ax.text(0.5, 0.5, "not run yet", transform=ax.transAxes, ha="center", va="center", color="grey")
+            ax.set_yticks([])
+        else:
+            ax.axhline(0, color="black", lw=0.5)
         ax.set_title(method, fontsize=9)
-        ax.axhline(0, color="black", lw=0.5)
     for ax in list(axes.flat)[len(methods):]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7)
