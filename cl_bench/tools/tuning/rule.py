@@ -45,14 +45,37 @@ def decide(runs: dict[float, Path], base: float, root: Path) -> dict:
 
 
 def _folders(grid: Grid, records: plan.Records, g: MethodGrid, points: list[dict], key: str) -> dict | None:
-    """Grid value -> the folder of its complete run; None while one is missing."""
+    """Grid value -> the folder of its complete run; None while one is missing. A run in
+    a grid point's folder that is not that point's (another method, argument, seed or
+    order: moved or hand-made there) is refused in one line, not read as the point's."""
     folders = {}
     for args in points:
         folder, _, _ = plan.point(grid, records, g.method, args)
-        if not (records.root / folder / "run.json").is_file() or read_record(records.root / folder).status != "complete":
+        if not (records.root / folder / "run.json").is_file():
             return None
+        record = read_record(records.root / folder)
+        if record.status != "complete":
+            return None
+        _is_the_point(record, folder, g.method, args, grid)
         folders[args[key]] = folder
     return folders
+
+
+def _is_the_point(record, folder: Path, method: str, args: dict, grid: Grid) -> None:
+    """The fields that place a run at a grid point (the full fit, plan.fits, also compares
+    every scored config field, which a record made before a field was added lacks)."""
+    ran_args = record.method_args or {}
+    wrong = ([("method", record.method, method)] if record.method != method else []) + [
+        (f"method_args.{k}", ran_args.get(k), v) for k, v in args.items()
+        if not isinstance(ran_args.get(k), (int, float)) or abs(ran_args[k] - v) > 1e-9 * abs(v)]
+    if record.seed != grid.seed:
+        wrong.append(("seed", record.seed, grid.seed))
+    if list(record.tasks) != list(grid.order):
+        wrong.append(("tasks", ",".join(record.tasks), ",".join(grid.order)))
+    if wrong:
+        field, ran, asked = wrong[0]
+        raise UserError(f"{folder / 'run.json'}: {field} is {ran!r} where {grid.path}'s point asks {asked!r}; "
+                        f"move that run out of {folder} and run the plan again (`cl-bench tune plan {grid.path}`)")
 
 
 def decided_rates(grid: Grid, records: plan.Records) -> dict[str, float]:
