@@ -24,7 +24,7 @@ import yaml
 
 from cl_bench.record import io as results
 from cl_bench.record.io import is_running
-from cl_bench.tools.campaign.plan import Entry
+from cl_bench.tools.campaign.plan import Entry, action, recorded
 from cl_bench.errors import UserError
 
 POLL_S = 2.0
@@ -44,6 +44,18 @@ def environment(code: Path, threads: int) -> dict[str, str]:
 
 def _now() -> str:
     return time.strftime("%H:%M:%S")
+
+
+def _taken(entry: Entry, what: str, root: Path) -> str | None:
+    """Why a run the survey found to start or resume, and that no process runs now, is
+    no longer this campaign's to launch: another campaign over the same clone (started
+    to add slots) finished it or started it since; None when it is as surveyed."""
+    now = action(recorded(entry, root))
+    if now == what:
+        return None
+    if now == "done":
+        return "finished by another campaign"
+    return "started by another campaign since this one's survey; run the campaign again to resume it"
 
 
 @dataclass
@@ -98,6 +110,14 @@ def run_local(todo: list[tuple[Entry, str, Path]], root: Path, slots: int, threa
             busy = sum(1 for folder in elsewhere if is_running(folder))
             while len(running) + busy < slots and (i := startable()) is not None:
                 entry, what, code = todo.pop(i)
+                if is_running(entry.folder(root)):  # another campaign on this clone launched it since the survey
+                    print(f"{_now()} skip {entry.run_dir}: running in another campaign (its slot counts against "
+                          f"--slots)", flush=True)
+                    elsewhere, busy = [*elsewhere, entry.folder(root)], busy + 1
+                    continue
+                if taken := _taken(entry, what, root):
+                    print(f"{_now()} skip {entry.run_dir}: {taken}", flush=True)
+                    continue
                 entry.log_path(root).parent.mkdir(parents=True, exist_ok=True)
                 with open(entry.log_path(root), "a", encoding="utf-8") as log:
                     # its own session: a Ctrl-C reaches the campaign, which passes one SIGINT on
