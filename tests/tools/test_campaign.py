@@ -86,22 +86,29 @@ def test_a_run_another_process_runs_holds_a_slot_until_it_ends(plan, tmp_path):
 def test_a_second_campaign_on_the_clone_adds_slots_without_launching_the_first_ones_runs(tmp_path, monkeypatch,
                                                                                            capsys):
     """Two campaigns over one clone (the second started to add a slot): at launch time a
-    run the survey found left is skipped when the other is running it (its slot counted)
-    or has finished it. Mutation caught: launching what the survey listed without looking
-    again (a second `run` on a held or finished folder, which fails)."""
+    run the survey found left is skipped when the other is running it (its slot counted),
+    is launching it (holds its claim; its process has not locked the folder yet) or has
+    finished it. Mutations caught: launching what the survey listed without looking
+    again (a second `run` on a held or finished folder, which fails); the claim not
+    taken (both campaigns launch a run they look at in the same seconds)."""
     monkeypatch.setattr(launch, "command", lambda entry, resume: [
         sys.executable, "-c", f"open({str(tmp_path / ('launched-' + entry.run_id))!r}, 'w')"])
-    todo = [(Entry(Path(f"out/{n}"), ["--profile", "smoke"], i), "start", tmp_path) for i, n in enumerate("abc")]
+    entries = [Entry(Path(f"out/{n}"), ["--profile", "smoke"], i) for i, n in enumerate("abcd")]
+    todo = [(entry, "start", tmp_path) for entry in entries]
     done = tmp_path / "out" / "b"
     done.mkdir(parents=True)
     (done / "run.json").write_text(json.dumps({"status": "complete", "config": {"train": {"precision": "bf16"},
                                                                                "eval": {"precision": "bf16"}}}))
     (tmp_path / "out" / "a").mkdir()
+    other = launch._claim(entries[3], tmp_path)  # the other campaign, launching d
     with results.lock_run(tmp_path / "out" / "a"):
-        assert launch.run_local(todo, tmp_path, 2, 1) == 0
+        assert launch.run_local(todo, tmp_path, 3, 1) == 0
+    other.close()
     assert sorted(p.name for p in tmp_path.glob("launched-*")) == ["launched-c"]
     said = capsys.readouterr().out
     assert "skip out/a: running in another campaign" in said and "skip out/b: finished by another campaign" in said
+    assert "skip out/d: running in another campaign" in said
+    assert launch._claim(entries[2], tmp_path) is not None  # c's claim went with its process
 
 
 def test_a_run_folder_without_its_stage_checkpoint_is_shown_stuck_and_not_launched(plan, monkeypatch, capsys):

@@ -9,6 +9,7 @@ tree, does not go first on sys.path); logs go to .campaign/logs/<run folder, '/'
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -44,6 +45,22 @@ def environment(code: Path, threads: int) -> dict[str, str]:
 
 def _now() -> str:
     return time.strftime("%H:%M:%S")
+
+
+def _claim(entry: Entry, root: Path):
+    """The run's claim (Entry.claim_path), an exclusive flock held open until its process
+    ends; None when another campaign holds it. Taken before the folder is looked at, so
+    two campaigns that look at once do not both launch the run (its own lock, run.lock,
+    is taken only once the launched process has started up)."""
+    path = entry.claim_path(root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fh = open(path, "a")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.close()
+        return None
+    return fh
 
 
 def _taken(entry: Entry, what: str, root: Path) -> str | None:
@@ -99,7 +116,7 @@ def run_local(todo: list[tuple[Entry, str, Path]], root: Path, slots: int, threa
     With `budget`, the first run in plan order that fits what is left of it takes a
     free slot; once none does and none of these runs is running, the rest are listed
     and left for the next campaign."""
-    running: dict[subprocess.Popen, tuple[Entry, float]] = {}
+    running: dict[subprocess.Popen, tuple[Entry, float, Any]] = {}  # entry, start, its claim
     failed = 0
 
     def startable() -> int | None:
@@ -110,12 +127,16 @@ def run_local(todo: list[tuple[Entry, str, Path]], root: Path, slots: int, threa
             busy = sum(1 for folder in elsewhere if is_running(folder))
             while len(running) + busy < slots and (i := startable()) is not None:
                 entry, what, code = todo.pop(i)
-                if is_running(entry.folder(root)):  # another campaign on this clone launched it since the survey
+                claim = _claim(entry, root)
+                if claim is None or is_running(entry.folder(root)):  # another campaign launched it since the survey
+                    if claim is not None:
+                        claim.close()
                     print(f"{_now()} skip {entry.run_dir}: running in another campaign (its slot counts against "
                           f"--slots)", flush=True)
                     elsewhere, busy = [*elsewhere, entry.folder(root)], busy + 1
                     continue
                 if taken := _taken(entry, what, root):
+                    claim.close()
                     print(f"{_now()} skip {entry.run_dir}: {taken}", flush=True)
                     continue
                 entry.log_path(root).parent.mkdir(parents=True, exist_ok=True)
@@ -124,11 +145,12 @@ def run_local(todo: list[tuple[Entry, str, Path]], root: Path, slots: int, threa
                     proc = subprocess.Popen(command(entry, what == "resume"), cwd=root,
                                             env=environment(code, threads), stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
-                running[proc] = (entry, time.monotonic())
+                running[proc] = (entry, time.monotonic(), claim)
                 print(f"{_now()} {what} {entry.run_dir} (log {entry.log_path(root)})", flush=True)
             time.sleep(POLL_S)
             for proc in [q for q in running if q.poll() is not None]:
-                entry, start = running.pop(proc)
+                entry, start, claim = running.pop(proc)
+                claim.close()
                 failed += proc.returncode != 0
                 print(f"{_now()} {'finished' if proc.returncode == 0 else 'FAILED'} {entry.run_dir}: "
                       f"rc {proc.returncode}, {(time.monotonic() - start) / 60:.1f} min", flush=True)

@@ -42,6 +42,11 @@ class Entry:
         (a/x and b/x are two runs, so two logs)."""
         return root / ".campaign" / "logs" / ("__".join(p for p in self.run_dir.parts if p != "/") + ".log")
 
+    def claim_path(self, root: Path) -> Path:
+        """root/.campaign/claims/<as log_path>.claim: held by the campaign that launches
+        the run, from before its launch until its process ends."""
+        return root / ".campaign" / "claims" / ("__".join(p for p in self.run_dir.parts if p != "/") + ".claim")
+
 
 def read_plan(path: Path) -> list[Entry]:
     """The plan's entries; a malformed line is one message naming the file, the line and the fix."""
