@@ -11,8 +11,9 @@ estimated hours.
   1 once the others end); one whose folder's
   lock is held, or whose Slurm job is still queued or running, is left alone (a
   local one holds one of --slots while it runs); the others are started. A run is
-  looked at again as it is launched: one that another campaign over the clone has
-  since started or finished is skipped (so a second campaign adds slots).
+  claimed (launch._claim) and looked at again as it is launched: one that another
+  campaign over the clone has claimed, started or finished since is skipped (so a
+  second campaign adds slots).
 - Each run imports a clone of its commit (cl_bench/tools/campaign/code.py): HEAD for a new
   run, the commit it started from for a resumed one.
 - Precision: on a CPU without native bf16 (AVX-512 BF16 or AMX), a run whose train or

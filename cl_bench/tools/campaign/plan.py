@@ -40,12 +40,15 @@ class Entry:
     def log_path(self, root: Path) -> Path:
         """root/.campaign/logs/<run folder, its '/' as '__'>.log: one log a planned folder
         (a/x and b/x are two runs, so two logs)."""
-        return root / ".campaign" / "logs" / ("__".join(p for p in self.run_dir.parts if p != "/") + ".log")
+        return root / ".campaign" / "logs" / f"{self._flat()}.log"
 
     def claim_path(self, root: Path) -> Path:
         """root/.campaign/claims/<as log_path>.claim: held by the campaign that launches
         the run, from before its launch until its process ends."""
-        return root / ".campaign" / "claims" / ("__".join(p for p in self.run_dir.parts if p != "/") + ".claim")
+        return root / ".campaign" / "claims" / f"{self._flat()}.claim"
+
+    def _flat(self) -> str:
+        return "__".join(p for p in self.run_dir.parts if p != "/")
 
 
 def read_plan(path: Path) -> list[Entry]:
