@@ -362,6 +362,26 @@ def test_a_records_seconds_scale_by_its_machines_rate_over_this_ones(tmp_path, r
     assert torch.get_num_threads() == 2
 
 
+def test_a_method_measured_on_a_named_machine_leaves_its_unrecorded_records_out(tmp_path, rate_here):
+    """Where a method has records at a shape both with and without a machine, the
+    estimate is of those with one (scaled), unmarked, and says what it left out; a
+    method with unrecorded records only still gets them, marked. Mutation caught: the
+    two kinds pooled (an unrecorded record from a faster machine or more threads
+    pulls the estimate down: MoFO's tuning runs took 2.4x the 0.18 h estimated from
+    its machine-unrecorded paper6 record)."""
+    _record(tmp_path, "named", "mofo", [1.0, 2.0], 0.01, machine=_calibrated(200.0))
+    _record(tmp_path, "unnamed", "mofo", [0.2, 0.2], 0.001)
+    _record(tmp_path, "only-unnamed", "ogd", [0.5, 0.5], 0.005)
+    timings = estimate.Timings(tmp_path)
+    at = ("m", "bf16", 8, 4, 256, 96, "trace")
+    mofo = timings.rates("mofo", at)
+    assert mofo.step_s == pytest.approx({"A": 2.0, "B": 4.0}) and mofo.token_s == pytest.approx(0.02)
+    assert not mofo.rough and mofo.source == "named; 1 more whose machine is unrecorded left out"
+    ogd = timings.rates("ogd", at)
+    assert ogd.step_s == pytest.approx({"A": 0.5, "B": 0.5}) and ogd.rough
+    assert ogd.source == "only-unnamed; machine unrecorded"
+
+
 def test_estimates_come_from_the_same_methods_records_else_are_scaled_and_marked(tmp_path):
     """Per-task step rates and the per-token rate of the method's own records; a
     method measured only at another shape scales as its family does there (the

@@ -19,7 +19,8 @@ for the stages from there) / the same product's rate here at one thread (in its
 thread's CPU time, so this machine's other jobs do not read as a slower machine), measured once
 per precision when first needed (a record at two threads has its calibration at two
 threads too, so the ratio roughly carries it to one as well). Records made before runs named
-their machine (all committed ones until issue 52) are used unscaled and the estimate
+their machine (all committed ones until issue 52) are used unscaled, and only where
+the method has no record at that shape that names its machine, and the estimate
 is marked `~` ("machine unrecorded"): nothing names their machine (the results/perf
 records that name one are probes on an AVX2 EPYC, not these runs). So are those of
 bf16 on a CPU without native bf16, where the product is emulated, far too slow to
@@ -154,18 +155,25 @@ class Timings:
         return [self.factor(m) for m in _stage_machines(record)] + [self.factor(record.get("machine"))]
 
     def _pooled(self, method: str, at: tuple) -> Rates | None:
+        """The mean rates of the method's records at `at`; of those that name their machine
+        (scaled to this one) where there are any: an unrecorded record's machine and
+        threads are unknown (the committed ones read 0.6-2x those of the same method
+        that name theirs), so it only stands in where nothing better was measured."""
         found = [_record_rates(record, where, self._factors(record))
                  for record, where in self.by_key.get((method, at), [])]
         if not found:
             return None
+        known = [r for r in found if not r.unrecorded]
+        left_out = len(found) - len(known) if known else 0
+        found = known or found
         tasks = {t for r in found for t in r.step_s}
         names = [r.source for r in found]
         unrecorded = sum(r.unrecorded for r in found)
         return Rates({t: mean(r.step_s[t] for r in found if t in r.step_s) for t in tasks},
                      mean(r.token_s for r in found),
                      (names[0] if len(names) == 1 else f"{len(names)} records: {names[-1]}, {names[0]}, ...")
-                     + (f"; {'' if unrecorded == len(names) else f'{unrecorded} of them: '}machine unrecorded"
-                        if unrecorded else ""),
+                     + ("; machine unrecorded" if unrecorded else "")
+                     + (f"; {left_out} more whose machine is unrecorded left out" if left_out else ""),
                      unrecorded=unrecorded)
 
     def scale_line(self) -> str:
