@@ -101,8 +101,11 @@ class Grid:
         return out + ["--order", ",".join(self.order), "--seed", str(self.seed), "--set", EVAL_SET]
 
     def folder(self, method: str, args: dict[str, float]) -> Path:
-        """Where a new run of the point goes: <output>/<method>-lr1e-4[-lambda_ewc1e3]."""
-        return self.output / "-".join([method, *(f"{k}{short(v)}" for k, v in args.items())])
+        """Where a new run of the point goes: <output>/<method>-lr1e-4[-lambda_ewc1e3]; a
+        name ending in a digit takes a `_` before its value (olora's lambda1: `-lambda1_1.7e-1`,
+        not `-lambda11.7e-1`)."""
+        return self.output / "-".join([method, *(f"{k}{'_' if k[-1].isdigit() else ''}{short(v)}"
+                                                 for k, v in args.items())])
 
 
 def _fail(path: Path, where: str, why: str) -> UserError:

@@ -204,6 +204,8 @@ def test_the_strength_is_tuned_after_the_rate_at_the_chosen_rate(tmp_path, fake_
     strength = [line for line in text.splitlines() if "lambda_ewc=" in line]
     assert [s.split(":")[0] for s in strength] == ["results/tuning/ewc-lr3e-5-lambda_ewc1e3",
                                                     "results/tuning/ewc-lr3e-5-lambda_ewc1e5"]
+    # a name ending in a digit is kept apart from its value (mutation caught: olora-lr3e-3-lambda11.7e-1)
+    assert g.folder("olora", {"lr": 3e-3, "lambda1": 0.17}).as_posix() == "results/tuning/olora-lr3e-3-lambda1_1.7e-1"
     assert all("lr=3e-05" in s and "data.test_split=eval" in s for s in strength)
     with pytest.raises(UserError, match=r"ewc \(lambda_ewc at lr 3e-05\)"):
         rule.choose(g, records)
