@@ -6,6 +6,9 @@ import os
 # Tiny models are dominated by per-op overhead: one thread is faster, and on a
 # busy 2-core machine it avoids oversubscription (subprocesses inherit this).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# A campaign's records, which its runs' estimates read (cl_bench/tools/campaign/launch.py),
+# are not the tests' (they give their own, or read the checkout's).
+os.environ.pop("CL_BENCH_RECORDS", None)
 
 from pathlib import Path
 

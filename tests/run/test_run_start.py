@@ -36,6 +36,22 @@ def test_run_names_its_folder_and_estimate_first(trace_dir, tmp_path, monkeypatc
     assert left.startswith("estimated time: ") and left.endswith(" min at one thread (first)"), left
 
 
+def test_a_run_a_campaign_launched_estimates_from_the_campaigns_records(trace_dir, tmp_path, monkeypatch,
+                                                                       capsys):
+    """A campaign's run has its commit's clone for code, whose records lack every run
+    committed since: it reads the campaign's (launch.environment) instead. Mutation
+    caught: the environment's records ignored (the run reads its code's checkout: here
+    none, "no estimate"; in the tuning campaign, OGD's paper6 run of an unrecorded machine
+    where three of its own tuning runs had been committed)."""
+    assert run_cli(*smoke_args(trace_dir, tmp_path / "a", "--run-id", "first")) == 0
+    monkeypatch.setattr(estimate, "RECORDS", tmp_path / "none")
+    monkeypatch.setenv(estimate.RECORDS_ENV, str(tmp_path / "a"))
+    capsys.readouterr()
+    assert run_cli(*smoke_args(trace_dir, tmp_path / "b", "--run-id", "second")) == 0
+    _, left = _first_lines(capsys)
+    assert left.startswith("estimated time: ") and left.endswith(" min at one thread (first)"), left
+
+
 def test_a_stop_before_the_record_says_how_to_start_again(trace_dir, tmp_path, monkeypatch, capsys):
     """A stop while the model loads leaves the folder with its lock only; the line names
     the same command with the folder's --run-id, and that command starts the run there

@@ -111,6 +111,21 @@ def test_a_second_campaign_on_the_clone_adds_slots_without_launching_the_first_o
     assert launch._claim(entries[2], tmp_path) is not None  # c's claim went with its process
 
 
+def test_a_campaigns_runs_are_given_its_records(trace_dir, tmp_path, monkeypatch):
+    """Each launched run's environment names the campaign's records (--records, under
+    its root), which the estimate at the run's start reads (estimate.for_run). Mutation
+    caught: the records not handed to the launcher (the run reads those of its commit's
+    clone)."""
+    seen = tmp_path / "seen"
+    monkeypatch.setattr(launch, "command", lambda entry, resume: [
+        sys.executable, "-c", f"import os; open({str(seen)!r}, 'w').write(os.environ.get({estimate.RECORDS_ENV!r}, ''))"])
+    path = tmp_path / "plan.txt"
+    path.write_text(f"{tmp_path}/out/new: --profile smoke --data-dir {trace_dir} --method seqft\n")
+    (tmp_path / "mine").mkdir()
+    assert campaign(str(path), "--code", str(ROOT), "--records", "mine", root=tmp_path) == 0
+    assert seen.read_text() == str((tmp_path / "mine").resolve())
+
+
 def test_a_run_folder_without_its_stage_checkpoint_is_shown_stuck_and_not_launched(plan, monkeypatch, capsys):
     """A record of 2 finished stages whose checkpoint/ is gone (git ignores it, so a
     clone or the next machine has none): `stuck`, the reason on stderr naming the plan

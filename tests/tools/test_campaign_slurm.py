@@ -54,7 +54,8 @@ def test_slurm_jobs_through_submitit_finish_a_preempted_run_and_rerun_nothing(tr
     job resumes the run from that checkpoint. Then the campaign again says both are
     done and submits nothing. Mutations caught: a job that is not requeued
     (checkpoint() missing: the run stays interrupted and the job fails), a requeued
-    job that starts the run afresh (no in-stage resume in its record)."""
+    job that starts the run afresh (no in-stage resume in its record), a job whose run
+    is not given the campaign's records (its estimate reads its code's checkout's)."""
     out = tmp_path / "out"
     base = f"--profile smoke --data-dir {trace_dir} --method seqft --method-arg lr=1e-3"
     long = "--set train.epochs=30 --set train.checkpoint_every_s=0"
@@ -79,6 +80,8 @@ def test_slurm_jobs_through_submitit_finish_a_preempted_run_and_rerun_nothing(tr
     assert long_run["status"] == short_run["status"] == "complete"
     assert [list(r) for r in long_run["resumes"]] and any("at_step" in r for r in long_run["resumes"]), long_run
     assert not short_run.get("resumes")
+    (log,) = (tmp_path / ".campaign" / "logs").glob("*short.log")
+    assert f"under {(tmp_path / 'results').resolve()})" in log.read_text()  # the campaign's records: none here
     assert "preempted" in "".join(p.read_text() for p in (tmp_path / ".campaign" / "slurm").glob("*_log.err"))
 
     before = {name: (out / name / "run.json").read_bytes() for name in ("long", "short")}

@@ -175,8 +175,9 @@ def main(args) -> int:
     paths = {c: c if args.code else pinning.checkout(root, c) for _, _, c in todo}
     todo = [(entry, what, paths[c]) for entry, what, c in todo]
     if settings is not None:
-        ended = launch.run_slurm(todo, root, settings, args.wait)
+        ended = launch.run_slurm(todo, root, settings, args.wait, root / args.records)
     else:
         budget = None if args.hours is None else launch.Budget(args.hours, estimates, start)
-        ended = launch.run_local(todo, root, args.slots, args.threads, elsewhere, budget)
+        ended = launch.run_local(todo, root, args.slots, args.threads, elsewhere, budget,
+                                 root / args.records)
     return max(ended, 1 if stuck else 0)  # a stuck run needs a hand

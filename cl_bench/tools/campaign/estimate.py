@@ -25,12 +25,15 @@ is marked `~` ("machine unrecorded"): nothing names their machine (the results/p
 records that name one are probes on an AVX2 EPYC, not these runs). So are those of
 bf16 on a CPU without native bf16, where the product is emulated, far too slow to
 time (and the campaign refuses bf16 there). `Timings.scale_line()` says what was used.
+A run's own estimate at its start (`for_run`) reads the same records: its campaign's
+(`records_for_run`), else its checkout's.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean, median
@@ -301,6 +304,15 @@ def planned_work(config, method_args) -> Work:
 
 
 RECORDS = Path(__file__).resolve().parents[3] / "results"  # the committed records, in a checkout
+RECORDS_ENV = "CL_BENCH_RECORDS"  # a campaign's records, for its runs (launch.environment)
+
+
+def records_for_run() -> Path:
+    """The records a run's estimate reads: its campaign's where a campaign launched it
+    (its code is a clone of its commit, whose records lack every run committed since),
+    else the checkout's."""
+    given = os.environ.get(RECORDS_ENV)
+    return Path(given) if given else RECORDS
 
 
 def for_run(config, method_args, stages_done: int = 0, zero_shot_done: bool = False,
@@ -311,7 +323,7 @@ def for_run(config, method_args, stages_done: int = 0, zero_shot_done: bool = Fa
     "machine unrecorded" where its records name no machine to scale them from."""
     from cl_bench.errors import UserError
 
-    records = RECORDS if records is None else records
+    records = records_for_run() if records is None else records
     try:
         work = planned_work(config, method_args)
     except UserError as e:

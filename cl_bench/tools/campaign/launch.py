@@ -25,6 +25,7 @@ import yaml
 
 from cl_bench.record import io as results
 from cl_bench.record.io import is_running
+from cl_bench.tools.campaign import estimate
 from cl_bench.tools.campaign.plan import Entry, action, recorded
 from cl_bench.errors import UserError
 
@@ -38,9 +39,16 @@ def command(entry: Entry, resume: bool) -> list[str]:
     return [*cli, *entry.flags, "--output-dir", str(entry.run_dir.parent), "--run-id", entry.run_id, "--no-progress"]
 
 
-def environment(code: Path, threads: int) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")]))}
+def environment(code: Path, threads: int, records: Path | None = None) -> dict[str, str]:
+    """A run's environment: `threads` threads, the code of its commit first on the path,
+    and the campaign's records (`records`, where given) for the estimate it prints at its
+    start (estimate.for_run), not those of its commit's clone, which lack every run
+    committed since."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")]))}
+    if records is not None:
+        env[estimate.RECORDS_ENV] = str(records.resolve())
+    return env
 
 
 def _now() -> str:
@@ -107,7 +115,7 @@ def clock() -> float:
 
 
 def run_local(todo: list[tuple[Entry, str, Path]], root: Path, slots: int, threads: int,
-              elsewhere: list[Path] = (), budget: Budget | None = None) -> int:
+              elsewhere: list[Path] = (), budget: Budget | None = None, records: Path | None = None) -> int:
     """Run (entry, action, code) `slots` at a time; 0 when every run it started
     finished (with `budget`, some may be left unstarted, and listed), 1 when one
     failed, 130 on Ctrl-C (each run saves what it has and stops; run the same
@@ -115,7 +123,7 @@ def run_local(todo: list[tuple[Entry, str, Path]], root: Path, slots: int, threa
     process is running (an earlier campaign's): each holds a slot while its lock is held.
     With `budget`, the first run in plan order that fits what is left of it takes a
     free slot; once none does and none of these runs is running, the rest are listed
-    and left for the next campaign."""
+    and left for the next campaign. `records`: the campaign's (`environment`)."""
     running: dict[subprocess.Popen, tuple[Entry, float, Any]] = {}  # entry, start, its claim
     failed = 0
 
@@ -143,8 +151,8 @@ def run_local(todo: list[tuple[Entry, str, Path]], root: Path, slots: int, threa
                 with open(entry.log_path(root), "a", encoding="utf-8") as log:
                     # its own session: a Ctrl-C reaches the campaign, which passes one SIGINT on
                     proc = subprocess.Popen(command(entry, what == "resume"), cwd=root,
-                                            env=environment(code, threads), stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+                                            env=environment(code, threads, records), stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
                 running[proc] = (entry, time.monotonic(), claim)
                 print(f"{_now()} {what} {entry.run_dir} (log {entry.log_path(root)})", flush=True)
             time.sleep(POLL_S)
@@ -222,8 +230,8 @@ class RunJob:
     """One run as a Slurm job (submitit calls it; on a preemption or timeout signal
     submitit calls `checkpoint`, which stops the run and has the job requeued)."""
 
-    def __init__(self, entry: Entry, root: Path, code: Path, threads: int):
-        self.entry, self.root, self.code, self.threads = entry, root, code, threads
+    def __init__(self, entry: Entry, root: Path, code: Path, threads: int, records: Path | None = None):
+        self.entry, self.root, self.code, self.threads, self.records = entry, root, code, threads, records
         self._proc: subprocess.Popen | None = None
 
     def __call__(self) -> int:
@@ -236,7 +244,7 @@ class RunJob:
         with open(log_path, "a", encoding="utf-8") as log:
             # the run ignores the preemption signals: the job stops it with SIGTERM (checkpoint)
             self._proc = subprocess.Popen(command(self.entry, resume), cwd=self.root,
-                                          env=environment(self.code, self.threads), stdout=log,
+                                          env=environment(self.code, self.threads, self.records), stdout=log,
                                           stderr=subprocess.STDOUT, preexec_fn=_ignore_preemption)
             while self._proc.poll() is None:  # not wait(): the signal handler (checkpoint) reaps it
                 time.sleep(POLL_S)
@@ -251,7 +259,8 @@ class RunJob:
         if self._proc is not None and self._proc.returncode is None:
             _stop(self._proc.pid)
         self._proc = None
-        return submitit.helpers.DelayedSubmission(RunJob(self.entry, self.root, self.code, self.threads))
+        return submitit.helpers.DelayedSubmission(RunJob(self.entry, self.root, self.code, self.threads,
+                                                            self.records))
 
     def __getstate__(self):
         return {**self.__dict__, "_proc": None}
@@ -342,13 +351,15 @@ def queued(root: Path) -> dict[str, dict]:
     return live
 
 
-def run_slurm(todo: list[tuple[Entry, str, Path]], root: Path, settings: SlurmSettings, wait: bool) -> int:
-    """Submit one job a run; with `wait`, wait for every job and return 1 if one failed."""
+def run_slurm(todo: list[tuple[Entry, str, Path]], root: Path, settings: SlurmSettings, wait: bool,
+              records: Path | None = None) -> int:
+    """Submit one job a run; with `wait`, wait for every job and return 1 if one failed.
+    `records`: the campaign's (`environment`)."""
     folder = root / ".campaign" / "slurm"
     ex = executor(settings, folder)
     jobs = []
     for entry, what, code in todo:
-        job = ex.submit(RunJob(entry, root, code, settings.cpus_per_task))
+        job = ex.submit(RunJob(entry, root, code, settings.cpus_per_task, records))
         jobs.append((entry, job))
         print(f"{_now()} submitted {entry.run_dir} ({what}): job {job.job_id}", flush=True)
     known = json.loads(jobs_file(root).read_text(encoding="utf-8")) if jobs_file(root).is_file() else {}
