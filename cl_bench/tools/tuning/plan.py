@@ -135,7 +135,9 @@ def finals_plan(grid: Grid, tuned_path: Path, tuned: dict, records: Records, out
                 seeds: list[int], seeded: list[str]) -> str:
     """The finals: each method of the tuned file at its tuned arguments, on the
     profile's order and test split; `seeded` methods at every seed of `seeds`, the
-    others at the first."""
+    others at the first. Every method's first seed comes first, the extra seeds after
+    them all: a campaign runs a plan in order (under --hours, the first run that fits),
+    so where hours run short the extra seeds are what is cut, never a row."""
     lines = [f"# The finals of {tuned_path}: each method at its tuned arguments (`cl-bench run --tuned`), on the",
              f"# {grid.profile} profile's order and test split; written by `cl-bench tune finals {grid.path}`.",
              "# A line naming a committed folder is a row whose arguments the tuning kept (done)."]
@@ -143,8 +145,11 @@ def finals_plan(grid: Grid, tuned_path: Path, tuned: dict, records: Records, out
     if missing:
         raise UserError(f"{tuned_path}: no tuned arguments for {', '.join(missing)}; choose again "
                         f"(`cl-bench tune choose {grid.path}`)")
-    for method in grid.methods:
-        for seed in seeds if method in seeded else seeds[:1]:
+    for i, seed in enumerate(seeds):
+        if i == 1:
+            lines.append("# The extra seeds of the seeded methods, after every row's first: cut first where hours "
+                         "run short.")
+        for method in grid.methods if i == 0 else [m for m in grid.methods if m in seeded]:
             flags = grid.run_flags(method) + ["--tuned", "--seed", str(seed)]
             flags += [arg for pair in grid.finals.sets for arg in ("--set", pair)]
             name = method + ("" if seed == seeds[0] else f"-seed{seed}")

@@ -99,7 +99,9 @@ def test_the_tuned_leaderboard_holds_each_method_at_its_tuned_arguments_and_judg
 def test_the_finals_run_each_method_at_its_tuned_arguments_on_the_test_split_seeded_rows_at_every_seed(
         repo, tmp_path):
     """A committed row that is the finals run (same arguments, seed and budget) is named,
-    not re-run. Mutation: finals_plan without the records lookup plans ewc again."""
+    not re-run. Every method's first seed comes before any extra seed, so the extra seeds
+    are what --hours cuts. Mutations: finals_plan without the records lookup plans ewc
+    again; the seeds looped inside the methods (seqft-seed2 before ewc's row)."""
     from cl_bench.tools.campaign.plan import Entry, planned, read_plan
     from cl_bench.tools.tuning import grid as grids
     from cl_bench.tools.tuning import plan
@@ -126,12 +128,13 @@ def test_the_finals_run_each_method_at_its_tuned_arguments_on_the_test_split_see
                             g.finals.seeded)
     (tmp_path / "finals.txt").write_text(text)
     entries = read_plan(tmp_path / "finals.txt")
-    assert [str(e.run_dir) for e in entries] == ["results/tuned/seqft", "results/tuned/seqft-seed2",
-                                                 "results/tuned/ewc", "results/ewc-smoke-seed2"]
+    assert [str(e.run_dir) for e in entries] == ["results/tuned/seqft", "results/tuned/ewc",
+                                                 "results/tuned/seqft-seed2", "results/ewc-smoke-seed2"]
     assert "kept: code abcdef12" in text
+    assert text.index("# The extra seeds") > text.index("results/tuned/ewc: ")
     configs = [planned(e)[0] for e in entries]
-    assert {c.data.test_split for c in configs} == {"test"} and [c.seed for c in configs] == [1234, 2, 1234, 2]
-    assert [c.method_args.get("lr") for c in configs] == [3e-5, 3e-5, 1e-5, 1e-5]
+    assert {c.data.test_split for c in configs} == {"test"} and [c.seed for c in configs] == [1234, 1234, 2, 2]
+    assert [c.method_args.get("lr") for c in configs] == [3e-5, 1e-5, 3e-5, 1e-5]
     assert all(c.tuned.startswith("configs/tuned/smoke.yaml@") for c in configs)
     assert [c.general.lima for c in configs] == [4, 4, 4, 4]
     # A folder the boards leave out (the grid's finals.exclude) is no row to keep: the seed is run
