@@ -296,7 +296,8 @@ def _add_tune(sub) -> None:
     p.add_argument("--top", type=int, default=5, help="verdict: how many top rows' order to compare (default 5)")
     p.add_argument("--update-readme", type=Path, metavar="FILE",
                    help="leaderboard, sensitivity: also write the table between the section's markers of FILE")
-    p.add_argument("--section", help="--update-readme's markers (default: tuned-leaderboard, sensitivity)")
+    p.add_argument("--section", help="--update-readme's markers (default: tuned-leaderboard or shared-leaderboard "
+                                     "by --view, sensitivity)")
 
 
 def _add_perf(sub) -> None:

@@ -67,7 +67,7 @@ def main(args) -> int:
     if args.action == "leaderboard":
         table = leaderboard.format_table(leaderboard.build_table(board(args.view)), "md")
         print(table, end="")
-        _readme(args, table, "tuned-leaderboard")
+        _readme(args, table, f"{args.view}-leaderboard")  # the shared view never overwrites the tuned table
         return 0
     if args.top < 1:
         raise UserError(f"--top {args.top} must be at least 1")

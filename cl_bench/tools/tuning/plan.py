@@ -28,8 +28,9 @@ from cl_bench.errors import UserError
 from cl_bench.tools.tuning.grid import Grid, refuse_test_split
 
 # What fixes a run's training and scores: the model and these sections of its config (the method, its
-# arguments and the seed are compared apart); the rest (output, logging, backend, the `general`
-# probes) only measures or places the run.
+# arguments, the seed and the profile are compared apart); the rest (output, logging, backend, the
+# `general` probes) only measures or places the run, but for the Lima probe where Lima replay is on
+# (run/prepare.py leaves the probe's items out of the replay buffer).
 SCORED = ("model",)
 SCORED_SECTIONS = ("data", "train", "eval", "replay")
 # Fields of those sections that do not change what a run trains or scores: a record may differ in them.
@@ -51,13 +52,16 @@ def _scored(config: dict, method: str) -> dict:
     flat["data.test_split"] = flat.get("data.test_split") or "test"
     flat["data.benchmark"] = flat.get("data.benchmark") or registry.DEFAULT_BENCHMARK  # records before it: trace
     flat["eval.generator"] = flat.get("eval.generator") or "hf"  # records from before eval.generator: hf
+    if flat.get("replay.lima"):  # Lima replay leaves out the probe's items: then the probe changes what trains
+        flat["general.lima"] = (config.get("general") or {}).get("lima", 0)
     return flat
 
 
 def fits(record: dict, config, method_args) -> bool:
     """Whether a complete record is the run `config` asks for, computed in the precision
     that run computes in where the campaign runs it, a CPU with native bf16 (auto: bf16)."""
-    if record.get("status") != "complete" or record.get("method") != config.method:
+    if (record.get("status") != "complete" or record.get("method") != config.method
+            or record.get("profile") != config.profile):  # the boards keep a profile's rows alone
         return False
     ran = (record.get("backend") or {}).get("precision") or {}
     asked = [{"auto": "bf16"}.get(p, p) for p in (config.train.precision, config.eval.precision)]

@@ -24,7 +24,9 @@ from cl_bench.tools.tuning.grid import Grid, MethodGrid
 
 def decide(runs: dict[float, Path], base: float, root: Path) -> dict:
     """The rule over one grid line: {"chosen", "base", "best", "last_acc", "runs",
-    "best_vs_base"} (the last: compare's Last Acc difference, None when best is base)."""
+    "best_vs_base", "at_edge"} (best_vs_base: compare's Last Acc difference, None when
+    best is base; at_edge: "lowest" or "highest" where the chosen value is the grid's
+    end, whose other side the grid did not try, and which the rule does not extend)."""
     last = {}
     for value, folder in runs.items():
         record = read_record(root / folder)
@@ -41,6 +43,9 @@ def decide(runs: dict[float, Path], base: float, root: Path) -> dict:
                                "p": summary["p"]}
         if summary["ci"] is not None and summary["ci"][0] > 0:
             out["chosen"] = best
+    values = sorted(runs)
+    out["at_edge"] = (None if len(values) < 2 else "lowest" if out["chosen"] == values[0]
+                      else "highest" if out["chosen"] == values[-1] else None)
     return out
 
 

@@ -186,9 +186,10 @@ def verdict(shared: list, tuned: list, top: int = 5) -> dict:
 
 def format_verdict(v: dict) -> str:
     rho = "–" if v["rho"] is None else f"{v['rho']:+.2f}"
-    ci = "" if v["rho_ci"] is None else f" [{v['rho_ci'][0]:+.2f}, {v['rho_ci'][1]:+.2f}]"
+    ci = (" (no interval: a row's predictions are missing, or fewer than two rows)" if v["rho_ci"] is None else
+          f" [{v['rho_ci'][0]:+.2f}, {v['rho_ci'][1]:+.2f}] (95%, paired bootstrap over items)")
     lines = [f"rows in both leaderboards: {len(v['methods'])}",
-             f"Spearman's rho of Last Acc, shared-rate against tuned: {rho}{ci} (95%, paired bootstrap over items)",
+             f"Spearman's rho of Last Acc, shared-rate against tuned: {rho}{ci}",
              f"top {v['top']} shared-rate: {', '.join(v['shared_order'][:v['top']])}",
              f"top {v['top']} tuned:       {', '.join(v['tuned_order'][:v['top']])}",
              f"the top rows' order {'changes' if v['top_changed'] else 'does not change'} (point estimates; "

@@ -59,22 +59,25 @@ def select(runs: list, args: dict[str, dict], profile: str, benchmark: str = DEF
 
 
 def check_rows(runs: list, board: str, finals, ranked: list[str]) -> list:
-    """`runs` (select's), refused in one line where a ranked method has two runs at one
-    seed (they would be pooled as two replicates) or none at the finals' first seed (the
-    rows' own: a row the finals keep but the board's excludes drop would go missing
-    unseen); a seeded method short of the finals' other seeds is said on stderr (the
-    extra seeds are cut first where hours run short). `finals`: the grid's (grid.Finals)."""
+    """`runs` (select's), refused in one line where a row (ranked or reference) has two
+    runs at one seed (they would be pooled as two replicates) or a run at a seed the
+    finals do not give (pooled unseen into its row), or a ranked method none at the
+    finals' first seed (the rows' own: a row the finals keep but the board's excludes
+    drop would go missing unseen); a seeded method short of the finals' other seeds is
+    said on stderr (the extra seeds are cut first where hours run short). `finals`: the
+    grid's (grid.Finals)."""
     seeds: dict[str, dict[int, list[str]]] = {m: {} for m in ranked}
     for run in runs:
-        if run.method in seeds:
-            seeds[run.method].setdefault(run.seed, []).append(str(run.source.parent))
+        seeds.setdefault(run.method, {}).setdefault(run.seed, []).append(str(run.source.parent))
     faults = [f"{m} seed {seed}: {len(folders)} runs ({', '.join(folders)})"
               for m, by_seed in seeds.items() for seed, folders in by_seed.items() if len(folders) > 1]
-    faults += [f"{m}: no run at seed {finals.seeds[0]}" for m, by_seed in seeds.items() if finals.seeds[0] not in by_seed]
+    faults += [f"{m} seed {seed}: not a seed of the finals ({', '.join(folders)})"
+               for m, by_seed in seeds.items() for seed, folders in by_seed.items() if seed not in finals.seeds]
+    faults += [f"{m}: no run at seed {finals.seeds[0]}" for m in ranked if finals.seeds[0] not in seeds[m]]
     if faults:
         raise UserError(f"the {board} leaderboard: {'; '.join(faults)}; a row is one run at each seed: finish the "
-                        "finals (`cl-bench tune finals`, then `cl-bench campaign`), and leave out duplicates with "
-                        "the grid's finals.exclude or --exclude")
+                        "finals (`cl-bench tune finals`, then `cl-bench campaign`), and leave out duplicates and "
+                        "runs at other seeds with the grid's finals.exclude or --exclude")
     short = [f"{m} ({', '.join(str(x) for x in finals.seeds[1:] if x not in seeds[m])})"
              for m in finals.seeded if m in seeds and set(finals.seeds) - set(seeds[m])]
     if short:

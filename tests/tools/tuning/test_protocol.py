@@ -97,7 +97,8 @@ def test_the_campaign_refuses_a_tuning_plan_that_would_score_the_test_split(tmp_
 
 def _planned_record(g: grids.Grid, args: dict) -> tuple[dict, object, object]:
     config, method_args = planned(Entry(g.folder("seqft", args), g.flags("seqft", args), 0))
-    record = {"status": "complete", "method": "seqft", "seed": config.seed, "config": config.to_dict(),
+    record = {"status": "complete", "method": "seqft", "seed": config.seed, "profile": config.profile,
+              "config": config.to_dict(),
               "method_args": dataclasses.asdict(method_args),
               "backend": {"precision": {"train": "fp32", "eval": "fp32"}}}  # smoke computes in fp32
     return record, config, method_args
@@ -108,6 +109,7 @@ def _planned_record(g: grids.Grid, args: dict) -> tuple[dict, object, object]:
     (lambda r: r["config"]["eval"].update(cka_probe=8, routing_probe=8), True),  # measurement only
     (lambda r: r["config"].update(output_dir="elsewhere", run_id="x"), True),
     (lambda r: r["config"].update(general={"lima": 64}), True),  # a probe
+    (lambda r: r.update(profile="cpu"), False),  # another profile's row, which its boards would not show
     (lambda r: r["config"].pop("general"), True),  # a record from before the probe existed
     (lambda r: r["config"]["eval"].pop("generator"), True),  # a record from before eval.generator: hf
     (lambda r: r["config"]["eval"].update(generator="vllm"), False),
@@ -126,6 +128,20 @@ def test_a_committed_record_is_reused_only_where_it_is_the_planned_run_in_its_pr
     assert plan.fits(record, config, method_args) is fit
 
 
+def test_the_lima_probe_counts_as_scored_where_lima_replay_is_on(tmp_path):
+    """Lima replay leaves the probe's items out of its buffer (run/prepare.py), so there
+    the probe changes what trains. Mutation caught: general.lima never compared."""
+    g = smoke_grid(tmp_path)
+    flags = g.flags("seqft", {"lr": 1e-5}) + ["--set", "replay.lima=8"]
+    config, method_args = planned(Entry(g.folder("seqft", {"lr": 1e-5}), flags, 0))
+    record = {"status": "complete", "method": "seqft", "seed": config.seed, "profile": config.profile,
+              "config": config.to_dict(), "method_args": dataclasses.asdict(method_args),
+              "backend": {"precision": {"train": "fp32", "eval": "fp32"}}}
+    assert plan.fits(record, config, method_args)
+    record["config"]["general"] = {**record["config"]["general"], "lima": record["config"]["general"]["lima"] + 4}
+    assert not plan.fits(record, config, method_args)
+
+
 def _rates(fake_run, root: Path, g: grids.Grid, finals: dict, method="seqft", **kw) -> dict:
     """Runs at each rate of the grid: `finals` rate -> per-task final counts (of 40)."""
     return {lr: fake_run(root / g.folder(method, {"lr": lr}), method, {"lr": lr}, final, **kw)
@@ -137,7 +153,7 @@ def test_the_rule_keeps_the_base_rate_when_the_best_is_not_higher_at_95(tmp_path
     g = smoke_grid(tmp_path)
     runs = _rates(fake_run, tmp_path, g, {3e-6: [20, 20, 20], 1e-5: [30, 30, 30], 3e-5: [31, 31, 30]})
     out = rule.decide({lr: p.relative_to(tmp_path) for lr, p in runs.items()}, 1e-5, tmp_path)
-    assert out["best"] == 3e-5 and out["chosen"] == 1e-5
+    assert out["best"] == 3e-5 and out["chosen"] == 1e-5 and out["at_edge"] is None
     lo, hi = out["best_vs_base"]["ci"]
     assert lo <= 0 < hi and out["best_vs_base"]["diff"] == pytest.approx(100 * 2 / 120)
 
@@ -148,6 +164,7 @@ def test_the_rule_takes_another_rate_when_it_beats_the_base_at_95(tmp_path, fake
     runs = _rates(fake_run, tmp_path, g, {3e-6: [20, 20, 20], 1e-5: [30, 30, 30], 3e-5: [38, 38, 38]})
     out = rule.decide({lr: p.relative_to(tmp_path) for lr, p in runs.items()}, 1e-5, tmp_path)
     assert out["chosen"] == 3e-5 and out["best_vs_base"]["ci"][0] > 0
+    assert out["at_edge"] == "highest"  # the grid's end: what lies past it was not tried (the tuned file says so)
     tie = rule.decide({1e-5: runs[1e-5].relative_to(tmp_path), 3e-5: runs[1e-5].relative_to(tmp_path)}, 1e-5,
                       tmp_path)
     assert tie["best"] == 1e-5 and tie["best_vs_base"] is None  # a tie goes to the base

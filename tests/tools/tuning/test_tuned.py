@@ -120,7 +120,8 @@ def test_the_finals_run_each_method_at_its_tuned_arguments_on_the_test_split_see
     committed = tmp_path / "results" / "ewc-smoke-seed2"
     committed.mkdir(parents=True)
     (committed / "run.json").write_text(json.dumps({
-        "status": "complete", "method": "ewc", "seed": 2, "config": {**config.to_dict(), "tuned": None},
+        "status": "complete", "method": "ewc", "seed": 2, "profile": "smoke",
+        "config": {**config.to_dict(), "tuned": None},
         "method_args": dataclasses.asdict(method_args), "git_commit": "abcdef123",
         "backend": {"precision": {"train": "fp32", "eval": "fp32"}}}))
     text = plan.finals_plan(g, Path("configs/tuned/smoke.yaml"), config_tuned.load(config_tuned.path_for("smoke")),
@@ -179,6 +180,17 @@ def test_a_board_refuses_two_runs_at_one_seed_or_none_at_the_rows_own_and_says_m
     (runs / "ewc" / "run.json").unlink()
     with pytest.raises(UserError, match="the shared leaderboard: ewc: no run at seed 1234; "):
         board()
+    # a run at a seed the finals do not give, and a reference row's second run, would be pooled
+    # unseen (mutations caught: either check dropped)
+    fake_run(runs / "ewc-again", "ewc", shared["ewc"], [20] * 3, split="test")
+    fake_run(runs / "seqft-seed4", "seqft", shared["seqft"], [30] * 3, split="test", seed=4)
+    with pytest.raises(UserError, match=r": seqft seed 4: not a seed of the finals \([^)]*/seqft-seed4\);"):
+        board()
+    (runs / "seqft-seed4" / "run.json").unlink()
+    for name in ("multitask", "multitask-again"):
+        fake_run(runs / name, "multitask", tuned.default_args("multitask", "smoke"), [25] * 3, split="test")
+    with pytest.raises(UserError, match=r": multitask seed 1234: 2 runs \([^)]*/multitask, [^)]*/multitask-again\);"):
+        board()
 
 
 def test_the_commands_from_plan_to_verdict(repo, fake_run, monkeypatch, capsys):
@@ -219,6 +231,15 @@ def test_the_commands_from_plan_to_verdict(repo, fake_run, monkeypatch, capsys):
     assert run_cli("tune", "leaderboard", "grid.yaml", "--view", "shared", "--exclude", "tuning/*") == 0
     shared_table = capsys.readouterr().out
     assert [line.split("|")[1].strip() for line in shared_table.splitlines()[2:]] == ["ewc", "seqft"]
+    # each view writes its own section by default: the shared table never lands in the tuned one
+    # (mutation caught: the default section tuned-leaderboard whatever the view)
+    (repo / "doc.md").write_text("<!-- tuned-leaderboard:begin -->\nT\n<!-- tuned-leaderboard:end -->\n"
+                                 "<!-- shared-leaderboard:begin -->\nS\n<!-- shared-leaderboard:end -->\n")
+    assert run_cli("tune", "leaderboard", "grid.yaml", "--view", "shared", "--exclude", "tuning/*",
+                   "--update-readme", "doc.md") == 0
+    doc = (repo / "doc.md").read_text()
+    assert "\nT\n" in doc and "\nS\n" not in doc and shared_table in doc
+    capsys.readouterr()
     assert run_cli("tune", "verdict", "grid.yaml", "--exclude", "tuning/*", "--top", "1") == 0
     out = capsys.readouterr().out
     assert "top 1 shared-rate: ewc" in out and "top 1 tuned:       seqft" in out
