@@ -18,6 +18,7 @@ import yaml
 from cl_bench.report.compare import compare
 from cl_bench.errors import UserError
 from cl_bench.record.io import atomic_write_text, read_record
+from cl_bench.tools.campaign.plan import Entry, planned
 from cl_bench.tools.tuning import plan
 from cl_bench.tools.tuning.grid import Grid, MethodGrid
 
@@ -55,20 +56,21 @@ def _folders(grid: Grid, records: plan.Records, g: MethodGrid, points: list[dict
     order: moved or hand-made there) is refused in one line, not read as the point's."""
     folders = {}
     for args in points:
-        folder, _, _ = plan.point(grid, records, g.method, args)
+        folder, flags, _ = plan.point(grid, records, g.method, args)
         if not (records.root / folder / "run.json").is_file():
             return None
         record = read_record(records.root / folder)
         if record.status != "complete":
             return None
-        _is_the_point(record, folder, g.method, args, grid)
+        _is_the_point(record, folder, g.method, args, grid, planned(Entry(folder, flags, 0))[0])
         folders[args[key]] = folder
     return folders
 
 
-def _is_the_point(record, folder: Path, method: str, args: dict, grid: Grid) -> None:
-    """The fields that place a run at a grid point (the full fit, plan.fits, also compares
-    every scored config field, which a record made before a field was added lacks)."""
+def _is_the_point(record, folder: Path, method: str, args: dict, grid: Grid, config) -> None:
+    """The fields that place a run at a grid point, and the profile and precision it ran
+    at (`config`: the point's planned run; the full fit, plan.fits, also compares every
+    scored config field, which a record made before a field was added lacks)."""
     ran_args = record.method_args or {}
     wrong = ([("method", record.method, method)] if record.method != method else []) + [
         (f"method_args.{k}", ran_args.get(k), v) for k, v in args.items()
@@ -77,6 +79,13 @@ def _is_the_point(record, folder: Path, method: str, args: dict, grid: Grid) -> 
         wrong.append(("seed", record.seed, grid.seed))
     if list(record.tasks) != list(grid.order):
         wrong.append(("tasks", ",".join(record.tasks), ",".join(grid.order)))
+    if record.profile != grid.profile:
+        wrong.append(("profile", record.profile, grid.profile))
+    ran = (record.backend or {}).get("precision") or {}
+    for part, asked in (("train", config.train.precision), ("eval", config.eval.precision)):
+        asked = {"auto": "bf16"}.get(asked, asked)  # where the campaign runs it: a CPU with native bf16
+        if ran.get(part, "fp32") != asked:
+            wrong.append((f"backend.precision.{part}", ran.get(part, "fp32"), asked))
     if wrong:
         field, ran, asked = wrong[0]
         raise UserError(f"{folder / 'run.json'}: {field} is {ran!r} where {grid.path}'s point asks {asked!r}; "

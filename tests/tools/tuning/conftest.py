@@ -14,7 +14,7 @@ SMOKE_ORDER = ["NumGLUE-cm", "Py150", "20Minuten"]
 
 def write_run(folder: Path, method: str, args: dict, final: list[int], *, peak: int = 30, n: int = 40,
               tasks=SMOKE_ORDER, split: str = "eval", seed: int = 1234, profile: str = "smoke",
-              precision: str = "bf16", items_seed: int = 0) -> Path:
+              precision: str = "fp32", items_seed: int = 0) -> Path:
     """A complete run: every task scores `peak` of `n` items right after its own stage
     and `final[j]` of `n` after the last; items right are the first ones, shifted by
     `items_seed` (two runs with other shifts disagree item by item)."""

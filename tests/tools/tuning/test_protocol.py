@@ -186,16 +186,19 @@ def test_choose_waits_for_a_rate_run_that_is_not_complete(tmp_path, fake_run):
 
 @pytest.mark.parametrize("field, change", [
     ("method_args.lr", {"args": {"lr": 1e-3}}), ("seed", {"seed": 2}), ("method", {"method": "ewc"}),
-    ("tasks", {"tasks": ["Py150", "NumGLUE-cm", "20Minuten"]})])
+    ("tasks", {"tasks": ["Py150", "NumGLUE-cm", "20Minuten"]}), ("profile", {"profile": "cpu"}),
+    ("backend.precision.train", {"precision": "bf16"})])
 def test_choose_refuses_a_run_in_a_grid_points_folder_that_is_not_that_point(tmp_path, fake_run, field, change):
     """A run moved or copied into a point's folder is not read as the point's run.
-    Mutation caught: `_folders` without `_is_the_point` chooses from the wrong run."""
+    Mutations caught: `_folders` without `_is_the_point` chooses from the wrong run; its
+    profile or precision check dropped (another profile's run, a bf16 run of an fp32 point)."""
     g = smoke_grid(tmp_path, methods={"seqft": SMOKE_GRID["methods"]["seqft"]},
                    finals={"output": "results/tuned", "seeded": []})
     _rates(fake_run, tmp_path, g, {3e-6: [20, 20, 20], 1e-5: [30, 30, 30]})
     folder = tmp_path / g.folder("seqft", {"lr": 3e-5})
     fake_run(folder, change.get("method", "seqft"), change.get("args", {"lr": 3e-5}), [38, 38, 38],
-             seed=change.get("seed", 1234), tasks=change.get("tasks", SMOKE_GRID["order"]))
+             seed=change.get("seed", 1234), tasks=change.get("tasks", SMOKE_GRID["order"]),
+             profile=change.get("profile", "smoke"), precision=change.get("precision", "fp32"))
     with pytest.raises(UserError, match=rf"run.json: {field} is .* move that run out of"):
         rule.choose(g, plan.Records(Path("results"), tmp_path))
 
