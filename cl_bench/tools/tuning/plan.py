@@ -18,11 +18,13 @@ fits is named, not re-run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shlex
 from pathlib import Path
 
 from cl_bench import registry
+from cl_bench.benchmark import file_sha256
 from cl_bench.tools.campaign.plan import TUNING_MARK, Entry, planned
 from cl_bench.errors import UserError
 from cl_bench.tools.tuning.grid import Grid, refuse_test_split
@@ -57,9 +59,36 @@ def _scored(config: dict, method: str) -> dict:
     return flat
 
 
-def fits(record: dict, config, method_args) -> bool:
+@functools.lru_cache(maxsize=None)
+def _digests(benchmark: str, root: str, order: str | None, test_split: str) -> dict | None:
+    bench = registry.get_benchmark(benchmark)
+    try:
+        return {task: {"train": file_sha256(bench.split_file(Path(root), task, "train")),
+                       "test": file_sha256(bench.split_file(Path(root), task, test_split))}
+                for task in bench.present_order(Path(root), order)}
+    except UserError:
+        return None
+
+
+def data_digests(config) -> dict | None:
+    """Task -> the sha256 of the train and scored split files the run `config` asks for
+    would read here; None where its data is not found here (then `fits` cannot compare
+    the data, as before a data folder is given)."""
+    d = config.data
+    try:
+        root = registry.get_benchmark(d.benchmark).resolve_data_dir(d.data_dir)
+    except UserError:
+        return None
+    order = d.order if isinstance(d.order, str) or d.order is None else ",".join(d.order)
+    return _digests(d.benchmark, str(root), order, d.test_split)
+
+
+def fits(record: dict, config, method_args, digests: dict | None = None) -> bool:
     """Whether a complete record is the run `config` asks for, computed in the precision
-    that run computes in where the campaign runs it, a CPU with native bf16 (auto: bf16)."""
+    that run computes in where the campaign runs it, a CPU with native bf16 (auto: bf16),
+    and, given `digests` (data_digests), on the same data files: `data.data_dir` is not
+    compared (machines keep the data in other folders), so a record made on another
+    release of the benchmark would otherwise fit."""
     if (record.get("status") != "complete" or record.get("method") != config.method
             or record.get("profile") != config.profile):  # the boards keep a profile's rows alone
         return False
@@ -67,6 +96,11 @@ def fits(record: dict, config, method_args) -> bool:
     asked = [{"auto": "bf16"}.get(p, p) for p in (config.train.precision, config.eval.precision)]
     if [ran.get("train", "fp32"), ran.get("eval", "fp32")] != asked:
         return False
+    if digests is not None:
+        ran = record.get("data") or {}
+        if any(((ran.get(task) or {}).get(role) or {}).get("sha256") != sha
+               for task, shas in digests.items() for role, sha in shas.items()):
+            return False
     return (record.get("method_args") == dataclasses.asdict(method_args) and record.get("seed") == config.seed
             and _scored(record.get("config") or {}, config.method) == _scored(config.to_dict(), config.method))
 
@@ -89,8 +123,10 @@ class Records:
                 self.by_method.setdefault(data.get("method"), []).append((path.parent.relative_to(root), data))
 
     def find(self, config, method_args) -> tuple[Path, dict] | None:
-        """The first record (by path) that fits the run."""
-        return next(((p, r) for p, r in self.by_method.get(config.method, []) if fits(r, config, method_args)), None)
+        """The first record (by path) that fits the run, on the data it would read here."""
+        digests = data_digests(config)
+        return next(((p, r) for p, r in self.by_method.get(config.method, [])
+                     if fits(r, config, method_args, digests)), None)
 
 
 def _line(folder: Path, flags: list[str], note: str = "") -> str:

@@ -97,11 +97,12 @@ def test_the_tuned_leaderboard_holds_each_method_at_its_tuned_arguments_and_judg
 
 
 def test_the_finals_run_each_method_at_its_tuned_arguments_on_the_test_split_seeded_rows_at_every_seed(
-        repo, tmp_path):
-    """A committed row that is the finals run (same arguments, seed and budget) is named,
-    not re-run. Every method's first seed comes before any extra seed, so the extra seeds
-    are what --hours cuts. Mutations: finals_plan without the records lookup plans ewc
-    again; the seeds looped inside the methods (seqft-seed2 before ewc's row)."""
+        repo, tmp_path, trace_dir, monkeypatch):
+    """A committed row that is the finals run (same arguments, seed, budget and data files)
+    is named, not re-run. Every method's first seed comes before any extra seed, so the
+    extra seeds are what --hours cuts. Mutations: finals_plan without the records lookup
+    plans ewc again; the seeds looped inside the methods (seqft-seed2 before ewc's row);
+    the data files not compared (a row made on another release of the data kept)."""
     from cl_bench.tools.campaign.plan import Entry, planned, read_plan
     from cl_bench.tools.tuning import grid as grids
     from cl_bench.tools.tuning import plan
@@ -115,15 +116,18 @@ def test_the_finals_run_each_method_at_its_tuned_arguments_on_the_test_split_see
         "finals": {"output": "results/tuned", "seeds": [1234, 2], "seeded": ["seqft", "ewc"],
                    "set": ["general.lima=4"]}}, sort_keys=False))
     g = grids.load(path)
+    monkeypatch.setenv("CL_BENCH_DATA", str(trace_dir))
     flags = ["--profile", "smoke", "--method", "ewc", "--tuned", "--seed", "2"]
     config, method_args = planned(Entry(Path("x/y"), flags, 0))  # committed without the probe
     committed = tmp_path / "results" / "ewc-smoke-seed2"
     committed.mkdir(parents=True)
-    (committed / "run.json").write_text(json.dumps({
-        "status": "complete", "method": "ewc", "seed": 2, "profile": "smoke",
-        "config": {**config.to_dict(), "tuned": None},
-        "method_args": dataclasses.asdict(method_args), "git_commit": "abcdef123",
-        "backend": {"precision": {"train": "fp32", "eval": "fp32"}}}))
+    data = {task: {role: {"sha256": sha} for role, sha in shas.items()}
+            for task, shas in plan.data_digests(config).items()}
+    record = {"status": "complete", "method": "ewc", "seed": 2, "profile": "smoke",
+              "config": {**config.to_dict(), "tuned": None}, "data": data,
+              "method_args": dataclasses.asdict(method_args), "git_commit": "abcdef123",
+              "backend": {"precision": {"train": "fp32", "eval": "fp32"}}}
+    (committed / "run.json").write_text(json.dumps(record))
     text = plan.finals_plan(g, Path("configs/tuned/smoke.yaml"), config_tuned.load(config_tuned.path_for("smoke")),
                             plan.Records(Path("results"), tmp_path), g.finals.output, g.finals.seeds,
                             g.finals.seeded)
@@ -138,6 +142,14 @@ def test_the_finals_run_each_method_at_its_tuned_arguments_on_the_test_split_see
     assert [c.method_args.get("lr") for c in configs] == [3e-5, 1e-5, 3e-5, 1e-5]
     assert all(c.tuned.startswith("configs/tuned/smoke.yaml@") for c in configs)
     assert [c.general.lima for c in configs] == [4, 4, 4, 4]
+    # the same row made on other data files (another release: data_dir is not compared) is not the finals run
+    first = next(iter(data))
+    data[first]["test"]["sha256"] = "0" * 64
+    (committed / "run.json").write_text(json.dumps(record))
+    other = plan.finals_plan(g, Path("configs/tuned/smoke.yaml"), config_tuned.load(config_tuned.path_for("smoke")),
+                             plan.Records(Path("results"), tmp_path), g.finals.output, g.finals.seeds,
+                             g.finals.seeded)
+    assert "results/tuned/ewc-seed2: " in other and "kept:" not in other
     # A folder the boards leave out (the grid's finals.exclude) is no row to keep: the seed is run
     # anew. Mutation caught: Records ignoring its exclude (the excluded row kept).
     apart = plan.finals_plan(g, Path("configs/tuned/smoke.yaml"), config_tuned.load(config_tuned.path_for("smoke")),
