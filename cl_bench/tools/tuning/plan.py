@@ -83,6 +83,20 @@ def data_digests(config) -> dict | None:
     return _digests(d.benchmark, str(root), order, d.test_split)
 
 
+def computes_in(config) -> dict[str, str]:
+    """The precisions (train, eval) the run `config` computes in where the campaign runs
+    it, a CPU with native bf16 (auto: bf16)."""
+    return {part: {"auto": "bf16"}.get(p, p) for part, p in (("train", config.train.precision),
+                                                             ("eval", config.eval.precision))}
+
+
+def ran_precision(record: dict) -> dict[str, str]:
+    """The precisions (train, eval) a record computed in (records from before
+    `backend.precision`: fp32)."""
+    ran = (record.get("backend") or {}).get("precision") or {}
+    return {part: ran.get(part, "fp32") for part in ("train", "eval")}
+
+
 def fits(record: dict, config, method_args, digests: dict | None = None) -> bool:
     """Whether a complete record is the run `config` asks for, computed in the precision
     that run computes in where the campaign runs it, a CPU with native bf16 (auto: bf16),
@@ -92,9 +106,7 @@ def fits(record: dict, config, method_args, digests: dict | None = None) -> bool
     if (record.get("status") != "complete" or record.get("method") != config.method
             or record.get("profile") != config.profile):  # the boards keep a profile's rows alone
         return False
-    ran = (record.get("backend") or {}).get("precision") or {}
-    asked = [{"auto": "bf16"}.get(p, p) for p in (config.train.precision, config.eval.precision)]
-    if [ran.get("train", "fp32"), ran.get("eval", "fp32")] != asked:
+    if ran_precision(record) != computes_in(config):
         return False
     if digests is not None:
         ran = record.get("data") or {}

@@ -52,8 +52,9 @@ def decide(runs: dict[float, Path], base: float, root: Path) -> dict:
 
 def _folders(grid: Grid, records: plan.Records, g: MethodGrid, points: list[dict], key: str) -> dict | None:
     """Grid value -> the folder of its complete run; None while one is missing. A run in
-    a grid point's folder that is not that point's (another method, argument, seed or
-    order: moved or hand-made there) is refused in one line, not read as the point's."""
+    a grid point's folder that is not that point's (another method, argument, seed,
+    order, profile or precision: moved or hand-made there) is refused in one line, not
+    read as the point's."""
     folders = {}
     for args in points:
         folder, flags, _ = plan.point(grid, records, g.method, args)
@@ -81,11 +82,9 @@ def _is_the_point(record, folder: Path, method: str, args: dict, grid: Grid, con
         wrong.append(("tasks", ",".join(record.tasks), ",".join(grid.order)))
     if record.profile != grid.profile:
         wrong.append(("profile", record.profile, grid.profile))
-    ran = (record.backend or {}).get("precision") or {}
-    for part, asked in (("train", config.train.precision), ("eval", config.eval.precision)):
-        asked = {"auto": "bf16"}.get(asked, asked)  # where the campaign runs it: a CPU with native bf16
-        if ran.get(part, "fp32") != asked:
-            wrong.append((f"backend.precision.{part}", ran.get(part, "fp32"), asked))
+    ran = plan.ran_precision({"backend": record.backend})
+    wrong += [(f"backend.precision.{part}", ran[part], asked) for part, asked in plan.computes_in(config).items()
+              if ran[part] != asked]
     if wrong:
         field, ran, asked = wrong[0]
         raise UserError(f"{folder / 'run.json'}: {field} is {ran!r} where {grid.path}'s point asks {asked!r}; "
