@@ -18,6 +18,22 @@ def _kv(text: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
+def _resamples(text: str) -> int:
+    """An argparse type: bootstrap resamples, at least MIN_RESAMPLES (fewer give a 95%
+    interval from a handful of tail draws, or none at all)."""
+    try:
+        number = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+    if number < MIN_RESAMPLES:
+        raise argparse.ArgumentTypeError(f"{number}: at least {MIN_RESAMPLES} resamples make a 95% interval "
+                                         f"(the default is 1000)")
+    return number
+
+
+MIN_RESAMPLES = 100
+
+
 def _stage_number(lowest: int):
     """An argparse type: a stage as the user numbers it (1..T, 0 the zero-shot row;
     cl_bench/record/io.stage_number), at least `lowest`."""
@@ -118,11 +134,12 @@ def _add_show(sub) -> None:
 def _add_compare(sub) -> None:
     p = sub.add_parser("compare", help="paired differences between runs over the same test items",
                        description="Each run against the first: the difference in every summary with its "
-                                   "95%% paired-bootstrap interval and p-value. Runs whose tasks, test items "
+                                   "95% paired-bootstrap interval and p-value. Runs whose tasks, test items "
                                    "or budgets differ are refused.")
     p.add_argument("runs", type=Path, nargs="+", metavar="RUN_DIR", help="the baseline first, then the others")
     p.add_argument("--format", choices=["table", "json"], default="table")
-    p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples (default 1000)")
+    p.add_argument("--resamples", type=_resamples, default=1000,
+                   help=f"bootstrap resamples (default 1000, at least {MIN_RESAMPLES})")
     p.add_argument("--output", type=Path, help="also write the result as JSON here")
 
 

@@ -118,7 +118,7 @@ class DeepSpeedConfig:
 
     zero: int = 2  # ZeRO stage: 2 partitions optimiser state and gradients; 3 also the weights
     bf16: bool | None = None  # None: bf16 on CUDA devices that support it, else fp32
-    config: str | None = None  # a DeepSpeed JSON/YAML for everything else (buckets, overlap, offload);
+    config: str | None = None  # a DeepSpeed JSON/YAML for everything else (buckets, overlap; no offload);
     #                            a relative path in a --config file is relative to that file
 
 

@@ -109,3 +109,23 @@ def test_every_command_prints_its_help(command, capsys):
     with pytest.raises(SystemExit) as done:
         run_cli(command, "--help")
     assert done.value.code == 0 and "usage: " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value, message", [("-5", "-5: at least 100 resamples"), ("0", "0: at least 100"),
+                                            ("abc", "'abc' is not a whole number")])
+def test_compare_refuses_too_few_resamples_in_one_line(value, message, tmp_path, capsys):
+    """`compare --resamples` below 100 (a negative count raised numpy's ValueError with a
+    traceback; 0 printed dashes and "not distinguishable" on every row). Mutation caught:
+    --resamples parsed as a plain int."""
+    with pytest.raises(SystemExit) as done:
+        run_cli("compare", tmp_path, tmp_path, "--resamples", value)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_help_shows_no_doubled_percent_sign(capsys):
+    """A description is not %-formatted by argparse, unlike a help string: its '%%' showed."""
+    with pytest.raises(SystemExit):
+        run_cli("compare", "--help")
+    shown = " ".join(capsys.readouterr().out.split())  # as wrapped to the terminal's width
+    assert "its 95% paired-bootstrap interval" in shown

@@ -40,10 +40,14 @@ def test_smoke_run_behaves_as_recorded(name, trace_dir):
 
 def test_only_tie_decided_values_are_left_out_of_the_comparison():
     """CaRE's task identification is an argmin over near-tied entropies on the tiny
-    model, so the CPU decides it; nothing else is exempt. Mutations caught: the
-    exemption dropped (the first case differs), or widened to every key (the second)."""
+    model, so the CPU decides it, and the gap it makes between two CEs; nothing else is
+    exempt. Mutations caught: the exemption dropped (the first case differs), oracle_gap
+    not exempt (the third), or widened to every key (the second and the fourth)."""
     from smoke_digests import values_differ
 
     row = {"lm": 5.5, "task_id_acc": 0.5}
     assert values_differ({"metrics": [row]}, {"metrics": [{**row, "task_id_acc": 0.625}]}) == []
     assert values_differ({"metrics": [row]}, {"metrics": [{**row, "lm": 5.6}]}) == ["metrics"]
+    stage = {"answer_ce": {"Py150": 5.596063}, "oracle_gap": -1.6e-05}  # CaRE's, on a Zen 3 EPYC and AVX-512
+    assert values_differ({"params": [stage]}, {"params": [{**stage, "oracle_gap": -2.9e-05}]}) == []
+    assert values_differ({"params": [stage]}, {"params": [{**stage, "answer_ce": {"Py150": 5.7}}]}) == ["params"]

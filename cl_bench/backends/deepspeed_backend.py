@@ -21,11 +21,17 @@ task's generation batches over the ranks and gathers the continuations.
 
 Precision: bf16 on CUDA devices that support it, fp32 elsewhere, unless
 deepspeed.bf16 says otherwise: the engine computes in bf16 with fp32 master
-weights; frozen weights are rounded to bf16 for the phase (as DeepSpeed does), and
-between phases the model is fp32 again.
+weights; between phases the model is fp32 again, its trained weights the masters.
+Its frozen weights, which the engine holds in bf16 only (as DeepSpeed does), come
+back as their bf16 rounding and stay so (keeping fp32 copies would cost a second copy
+of the frozen model a rank): where they are read outside a bf16 product (experts
+sliced from a frozen dense MLP, btx's router rows frozen for a branch phase, a frozen
+norm) a bf16 run on this backend starts from values the torch backend's autocast
+keeps in fp32 and rounds only inside products, a difference of bf16 rounding.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -49,6 +55,7 @@ from cl_bench.method import Method, Stage
 
 log = logging.getLogger(__name__)
 
+OFFLOAD = ("offload_optimizer", "offload_param")  # refused unless their device is "none" (ds_config)
 REFUSED_SECTIONS = {"optimizer": "the method builds its optimiser (Method.make_optimizer)",
                     "scheduler": "methods keep a constant lr or schedule it themselves",
                     "fp16": "fp16 needs loss scaling, which the harness does not do; use bf16"}
@@ -67,6 +74,7 @@ def _init_distributed(deepspeed, timeout: timedelta) -> None:
         if torch.distributed.get_world_size() == 1:  # a one-rank group made earlier in this process
             os.environ.setdefault("LOCAL_RANK", "0")  # the engine asserts it is set
         return
+    _build_cpu_comm_op()
     if "RANK" in os.environ:
         deepspeed.init_distributed(timeout=timeout)
         _unlink_shm_buffer()
@@ -74,6 +82,48 @@ def _init_distributed(deepspeed, timeout: timedelta) -> None:
         os.environ.setdefault("LOCAL_RANK", "0")  # the engine asserts it is set
         deepspeed.init_distributed(auto_mpi_discovery=False, init_method=f"tcp://127.0.0.1:{free_port()}",
                                    rank=0, world_size=1, timeout=timeout)
+
+
+CPU_COMM_OP = "ShareMemCommBuilder"  # DeepSpeed's CPU all-reduce, built at its TorchBackend's init
+BUILD_LOCK = "cl-bench.lock"  # beside torch's `lock`, in the op's build folder
+
+
+def _build_cpu_comm_op(builder=None) -> None:
+    """Build (or load) DeepSpeed's CPU shared-memory all-reduce op before
+    deepspeed.init_distributed does. DeepSpeed compiles it on a machine's first run
+    (torch.utils.cpp_extension, into the torch extensions folder), behind a lock
+    *file* that torch removes when the build ends: a build killed midway (Ctrl-C in
+    the first DeepSpeed run, a test's time-out) leaves the file, and every later run
+    on the machine then waits on it forever, printing nothing. Here the build runs
+    under a lock the kernel drops when its holder dies (flock), taken by every
+    cl-bench process that builds it; whoever holds it and finds torch's file knows no
+    live cl-bench build owns that file, and removes it. (A build by another program at
+    that very moment would lose its file: it would then build twice, not hang.)"""
+    if torch.cuda.is_available():
+        return
+    if builder is None:
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.ops import __compatible_ops__
+
+        builder = get_accelerator().create_op_builder(CPU_COMM_OP)
+        if builder is None or not __compatible_ops__.get(builder.NAME, False):
+            return  # DeepSpeed falls back to gloo's all-reduce
+    from torch.utils.cpp_extension import _get_build_directory  # where torch's load() builds it
+
+    folder = Path(_get_build_directory(builder.name, verbose=False))
+    with open(folder / BUILD_LOCK, "a") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process's build of DeepSpeed's CPU all-reduce op (%s)", folder)
+            fcntl.flock(held, fcntl.LOCK_EX)
+        stale = folder / "lock"
+        if stale.exists():
+            log.warning("%s: removed the lock file of an interrupted build of DeepSpeed's CPU all-reduce op", stale)
+            stale.unlink(missing_ok=True)
+        if not any(folder.glob("*.so")):
+            log.info("building DeepSpeed's CPU all-reduce op, once for this machine (a minute or two) in %s", folder)
+        builder.load(verbose=False)
 
 
 def _unlink_shm_buffer() -> None:
@@ -127,6 +177,13 @@ def ds_config(config: RunConfig, world_size: int, bf16: bool) -> dict[str, Any]:
             raise UserError(f"{where}: {key}={base[key]!r} but the run gives {value!r} (from {source[key]}); "
                             f"set it to \"auto\" or remove it, and set {source[key]} instead")
     zero = dict(base.get("zero_optimization", {}))
+    for key in OFFLOAD:
+        section = zero.get(key) or {}
+        device = section.get("device", "none") if isinstance(section, dict) else section
+        if device != "none":
+            raise UserError(f"{where}: zero_optimization.{key}.device={device!r}: offload is not supported "
+                            f"(untested here, and ZeRO-Offload clips by the gradient norm taken before a "
+                            f"method edits the gradients: EWC, OGD, SAME); set it to \"none\" or remove it")
     if zero.get("stage", "auto") not in ("auto", d.zero):
         raise UserError(f"{where}: zero_optimization.stage={zero['stage']} but deepspeed.zero={d.zero}; "
                         f"remove the stage from the file and choose it with --zero")

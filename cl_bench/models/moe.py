@@ -93,6 +93,9 @@ class ExpertGroup(nn.Module):
         self.router_bias = nn.Parameter(router_bias)  # (n,)
         # the dense slice each expert stands in for ("swap" shared path)
         self.register_buffer("slots", slots.to(device=gate.device, dtype=torch.long))  # (n,)
+        # tokens routed to these experts while their layer's count_reach is set (the
+        # training forwards of a step; cl_bench/models/reach.py reads and clears it)
+        self.reach = 0
 
     def __len__(self) -> int:
         return self.gate.shape[0]
@@ -126,27 +129,21 @@ class UpcycledMoE(nn.Module):
         self.groups = nn.ModuleList()
         self.routed_scale_init = routed_scale_init
         w = dense.gate_proj.weight
-        self.routed_scale = (nn.Parameter(torch.full((), float(routed_scale_init), dtype=w.dtype,
+        # (1,), not 0-dim: DeepSpeed holds no 0-dim parameter (its engine broadcasts each as bytes)
+        self.routed_scale = (nn.Parameter(torch.full((1,), float(routed_scale_init), dtype=w.dtype,
                                                      device=w.device)) if shared == "add" else None)
-        # tokens routed to each of the layer's groups while count_reach is set (the training
-        # forwards of a step; cl_bench/models/reach.py reads and clears it)
+        # whether the forward counts the tokens it routes to each group (ExpertGroup.reach)
         self.count_reach = False
-        self.reach: list[int] = []
 
-    def reached(self, group: int) -> int:
-        """Tokens routed to group `group` since `reach` was cleared."""
-        return self.reach[group] if group < len(self.reach) else 0
-
-    def _note_reach(self, per_expert: list[int]) -> None:
-        """Add tokens per expert (router-row order; an `extra` group's, after the layer's,
-        left out) to the layer's groups' counts."""
+    def _note_reach(self, per_expert: list[int], groups: list[ExpertGroup]) -> None:
+        """Add tokens per expert (router-row order over `groups`: the layer's, then an
+        `extra` group's) to each group's count."""
         if not (self.count_reach and torch.is_grad_enabled()):
             return
-        counts, start = [], 0
-        for g in self.groups:
-            counts.append(sum(per_expert[start:start + len(g)]))
+        start = 0
+        for g in groups:
+            g.reach += sum(per_expert[start:start + len(g)])
             start += len(g)
-        self.reach = [a + b for a, b in zip(counts, self.reach + [0] * (len(counts) - len(self.reach)))]
 
     @property
     def n_experts(self) -> int:
@@ -247,7 +244,7 @@ class UpcycledMoE(nn.Module):
         order = torch.argsort(flat, stable=True)
         token = order // k  # token of each sorted assignment
         counts = torch.bincount(flat, minlength=len(experts)).tolist()
-        self._note_reach(counts)
+        self._note_reach(counts, list(self.groups) if extra is None else [*self.groups, extra])
         xs = x.index_select(0, token)  # (N*k, d), grouped by expert
         outs, start = [], 0
         for (gate, up, down), n in zip(experts, counts):
@@ -266,7 +263,7 @@ class UpcycledMoE(nn.Module):
         its weight before the down projection (linear, so the same sum), three products a
         group instead of three an expert and no sort, gather or scatter of N*E rows.
         x: (N, d); weights: (N, E) -> (N, d)."""
-        self._note_reach([x.shape[0]] * self.n_experts)  # every expert sees every token
+        self._note_reach([x.shape[0]] * sum(len(g) for g in groups), groups)  # every expert sees every token
         out, start = torch.zeros_like(x), 0
         for g in groups:
             n = len(g)

@@ -13,27 +13,46 @@ none; the backends then leave them alone alike. A method composes one:
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
-from cl_bench.models.moe import moe_layers
+from cl_bench.models.moe import ExpertGroup, moe_layers
 
 
 class ExpertReach:
     def __init__(self, model: nn.Module, ctx):
         self.model, self.ctx = model, ctx
+        self._uncounted = False
         model.register_forward_pre_hook(self._before_forward)
 
     def _before_forward(self, module, args) -> None:
         """Each forward of the model: its MoE layers count the tokens they route (with
         gradients on: UpcycledMoE._note_reach) while the model trains, unless this is a
-        padding copy."""
-        on = module.training and not self.ctx.padding
+        padding copy or an uncounted forward."""
+        on = module.training and not self.ctx.padding and not self._uncounted
         for layer in moe_layers(self.model):
             layer.count_reach = on
 
-    def _groups(self):
-        return [g for layer in moe_layers(self.model) for g in layer.groups]
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Forwards inside reach nothing: those whose gradient goes elsewhere than the
+        parameters' .grad (torch.autograd.grad to a method's own tensor, as bilevel-cka's
+        outer step to its mask logits), so they leave the experts they route to without
+        a gradient, as a step with no token for them does."""
+        self._uncounted = True
+        try:
+            yield
+        finally:
+            self._uncounted = False
+
+    def _groups(self) -> list[ExpertGroup]:
+        """Every expert group of the model, in module order (the same on every rank): the
+        MoE layers' own and those routed beside them, as bilevel-cka's supernet clones
+        (its `extra` group), which a step whose masks close every clone of a layer leaves
+        without a gradient."""
+        return [m for m in self.model.modules() if isinstance(m, ExpertGroup)]
 
     def units(self) -> list[list[nn.Parameter]]:
         """Each expert group's stacked weights (its router rows always get a gradient)."""
@@ -42,15 +61,14 @@ class ExpertReach:
     def idle(self, step: int | None = None) -> list[nn.Parameter]:
         """The trained weights of the groups no token reached since the last call, summed
         over the ranks (every rank calls it once a step); the counts start again."""
-        layers = moe_layers(self.model)
-        if not layers:  # still dense (btx's branches, cluster-upcycle before task 0)
+        groups = self._groups()
+        if not groups:  # still dense (btx's branches, cluster-upcycle before task 0)
             return []
-        counts = torch.tensor([layer.reached(i) for layer in layers for i in range(len(layer.groups))],
-                              dtype=torch.float64, device=self._device())
+        counts = torch.tensor([g.reach for g in groups], dtype=torch.float64, device=self._device())
         self.ctx.grads.all_reduce(counts)
-        for layer in layers:
-            layer.reach = []
-        return [p for g, n in zip(self._groups(), counts.tolist()) if n == 0
+        for g in groups:
+            g.reach = 0
+        return [p for g, n in zip(groups, counts.tolist()) if n == 0
                 for p in (g.gate, g.up, g.down) if p.requires_grad]
 
     def _device(self):

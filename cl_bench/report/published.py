@@ -24,6 +24,7 @@ from pathlib import Path
 import pandas as pd
 from tabulate import tabulate
 
+from cl_bench.benchmark import DEFAULT as DEFAULT_BENCHMARK
 from cl_bench.errors import UserError
 from cl_bench.metrics import trace_scorers
 from cl_bench.metrics.cl import SUMMARY
@@ -101,7 +102,14 @@ def _row(run: RunRecord) -> dict:
 
 
 def build_table(runs: list[RunRecord]) -> pd.DataFrame:
-    """One row per run, in the order given (leaderboard.load_runs: by path)."""
+    """One row per TRACE run, in the order given (leaderboard.load_runs: by path); runs of
+    another benchmark are left out, with a line naming them: TRACE's scorers and
+    published tables are TRACE's."""
+    other = [run for run in runs if run.benchmark != DEFAULT_BENCHMARK]
+    if other:
+        log.warning("published view: %d run(s) of other benchmarks left out (TRACE's scorers score TRACE "
+                    "runs only): %s", len(other), ", ".join(sorted({str(run.source or run.run_id) for run in other})))
+    runs = [run for run in runs if run.benchmark == DEFAULT_BENCHMARK]
     rows = []
     for i, run in enumerate(runs, 1):
         log.info("published view: scoring %s with TRACE's scorers (%d/%d)", run.run_id, i, len(runs))

@@ -43,6 +43,9 @@ forward and gradient run inside `ctx.grads.apart()`: at ZeRO-3 they would otherw
 run the MoE layers' reduction hooks a second time in the step
 (cl_bench/backends/zero_engine.py, ZeroPhase.apart); outer_sample=shared, whose
 outer gradient goes back through the inner replay forward, is refused at ZeRO-3.
+Nor does that forward count as reaching the experts it routes to (ExpertReach.uncounted):
+its gradient goes to the mask logits only, so on one process a clone only it reached
+has no gradient and AdamW skips it, and ZeRO must skip it too.
 """
 from __future__ import annotations
 
@@ -268,10 +271,15 @@ class BilevelCKA(Method):
                 loss, inner, lm = self._inner_replay(batch, step, pi)
                 parts.update(outer_step(self.model, task, batch, a, pi, lm))
                 return loss, {**parts, **inner}
-            with self.ctx.grads.apart():  # its own forward and gradient, outside the step's reduction
-                parts.update(outer_step(self.model, task, batch, a))
+            parts.update(self._outer_apart(batch))
         loss, inner, _ = self._inner_replay(batch, step)
         return loss, {**parts, **inner}
+
+    def _outer_apart(self, batch) -> dict[str, float]:
+        """The outer step on a forward of its own, outside the step's gradient reduction and
+        its expert reach (module docstring)."""
+        with self.ctx.grads.apart(), self._reach.uncounted():
+            return outer_step(self.model, self._task, batch, self.args)
 
     def _inner_replay(self, batch, step, pi=None):
         """lambda_replay L_replay + lambda_CKA L_CKA on the replay micro-batch, with this
@@ -324,10 +332,7 @@ class BilevelCKA(Method):
 
         passes = {"replay forward and backward": replay_pass, "reference forward of one row": reference_row}
         if task.logits is not None:
-            def outer():
-                with self.ctx.grads.apart():
-                    outer_step(self.model, task, replay, self.args)
-            passes["outer step"] = outer
+            passes["outer step"] = lambda: self._outer_apart(replay)
         return passes
 
     # ---- task end -----------------------------------------------------------------------

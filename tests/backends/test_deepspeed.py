@@ -78,6 +78,10 @@ def test_deepspeed_config_file_conflicts_name_the_key_and_the_fix(tmp_path):
         ds_config(config_with({"optimizer": {"type": "Adam"}}), 1, False)
     with pytest.raises(UserError, match="zero_optimization.stage=3 but deepspeed.zero=2"):
         ds_config(config_with({"zero_optimization": {"stage": 3}}), 1, False)
+    for key in ("offload_optimizer", "offload_param"):  # mutation caught: the offload check dropped
+        with pytest.raises(UserError, match=rf"zero_optimization.{key}.device='cpu': offload is not supported"):
+            ds_config(config_with({"zero_optimization": {key: {"device": "cpu", "pin_memory": True}}}), 1, False)
+        assert ds_config(config_with({"zero_optimization": {key: {"device": "none"}}}), 1, False)
     built = ds_config(config_with({"train_batch_size": "auto", "zero_optimization": {"overlap_comm": True}},
                                   zero="3"), 1, False)
     assert built["zero_optimization"] == {"overlap_comm": True, "stage": 3}
@@ -182,6 +186,44 @@ def test_one_rank_zero2_matches_the_torch_backend(trace_dir, tmp_path, monkeypat
 
 
 @pytest.mark.slow
+def test_shared_add_trains_its_routed_scale_as_the_torch_backend_does(trace_dir, tmp_path):
+    """upcycle with shared=add: the layers' routed scale (one value each) trains under
+    ZeRO-2 through three phases as on the torch backend: the same run and final weights.
+    Mutation caught: the scale a 0-dim parameter (DeepSpeed's engine cannot broadcast
+    one: the first phase fails)."""
+    args = ["--method", "upcycle", "--method-arg", "shared=add", "--keep-checkpoint"]
+    plain, ds = tmp_path / "torch", tmp_path / "ds"
+    assert run_cli(*smoke_args(trace_dir, plain, *args)) == 0
+    assert run_cli(*smoke_args(trace_dir, ds, *args, *deepspeed_args(tmp_path, 2))) == 0
+    assert_same_run(only_run(plain), only_run(ds))
+    weights = [checkpoint.load_checkpoint(only_run(d))["model"] for d in (plain, ds)]
+    scales = [name for name in weights[0] if name.endswith("routed_scale")]
+    assert scales and all(float(weights[0][name]) != 1.0 for name in scales)  # trained
+    for name, value in weights[0].items():
+        assert torch.allclose(weights[1][name], value, rtol=0, atol=1e-5), name
+
+
+@pytest.mark.slow
+def test_flagship_clones_left_without_a_gradient_are_skipped_as_on_torch(trace_dir, tmp_path):
+    """bilevel-cka with most slots closed (mask_init=prior, p_expand 0.2): some steps leave
+    a layer's clones without a .grad on one process (no token reached them but the outer
+    step's forward, whose gradient goes to the mask logits only), and AdamW skips them;
+    ZeRO-2 must skip them too (cl_bench/models/reach.py). The same run and final weights,
+    exactly. Mutations caught: the outer forward counted as reaching the clones (the
+    deployed clones of layer 0 off by 2.7e-4); checked by hand on a Zen 3 EPYC."""
+    args = ["--method", "bilevel-cka", "--method-arg", "mask_init=prior", "--method-arg", "init_expand_prob=0.2",
+            "--keep-checkpoint"]
+    plain, ds = tmp_path / "torch", tmp_path / "ds"
+    assert run_cli(*smoke_args(trace_dir, plain, *args)) == 0
+    assert run_cli(*smoke_args(trace_dir, ds, *args, *deepspeed_args(tmp_path, 2))) == 0
+    assert_same_run(only_run(plain), only_run(ds))
+    weights = [checkpoint.load_checkpoint(only_run(d))["model"] for d in (plain, ds)]
+    assert weights[0].keys() == weights[1].keys()
+    for name, value in weights[0].items():
+        assert torch.equal(weights[1][name], value), name
+
+
+@pytest.mark.slow
 def test_bf16_trains_in_bf16_and_keeps_fp32_weights_between_phases(trace_dir, tmp_path):
     """deepspeed.bf16=true (on this CPU too): the engine computes in bf16 with fp32
     master weights; between phases the model is fp32 again and holds the masters, not
@@ -281,3 +323,70 @@ def test_zero3_flagship_outer_gradient_stays_out_of_the_reduction(trace_dir, tmp
     assert run_cli(*smoke_args(trace_dir, plain, *flagship)) == 0
     assert any("replay_mask_loss" in row for row in log_rows(only_run(ds)))  # the outer step ran
     assert_same_run(only_run(plain), only_run(ds))
+
+
+class _TorchLikeBuilder:
+    """Stands in for DeepSpeed's CPU op builder: its load() waits on torch's lock file as
+    torch's cpp_extension does, for at most `patience` seconds (torch waits forever)."""
+
+    name = "deepspeed_shm_comm"
+
+    def __init__(self, patience: float = 0.0):
+        self.patience, self.loads = patience, []
+
+    def load(self, verbose=False):
+        import time
+
+        waited = time.monotonic()
+        while (self.folder / "lock").exists():
+            assert time.monotonic() - waited < self.patience, "torch's lock file stayed: the run would hang"
+            time.sleep(0.05)
+        self.loads.append(time.monotonic())
+
+
+def _builder_in(tmp_path, monkeypatch, patience: float = 0.0) -> _TorchLikeBuilder:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    builder = _TorchLikeBuilder(patience)
+    builder.folder = tmp_path / builder.name
+    builder.folder.mkdir()
+    return builder
+
+
+def test_a_killed_builds_lock_file_does_not_hang_the_next_run(tmp_path, monkeypatch, caplog):
+    """Mutation caught: _build_cpu_comm_op not removing torch's lock file (the next
+    DeepSpeed run on the machine would wait on it forever)."""
+    from cl_bench.backends.deepspeed_backend import _build_cpu_comm_op
+
+    builder = _builder_in(tmp_path, monkeypatch)
+    (builder.folder / "lock").touch()  # left by a build killed midway
+    with caplog.at_level("WARNING"):
+        _build_cpu_comm_op(builder)
+    assert len(builder.loads) == 1 and not (builder.folder / "lock").exists()
+    assert "interrupted build" in caplog.text
+
+
+def test_a_live_build_is_waited_for_not_broken(tmp_path, monkeypatch, caplog):
+    """Another process holds the build lock and torch's lock file (a rank building the op
+    while this one starts): this one waits for it, removes nothing and loads after it.
+    Mutation caught: the flock not taken (the live build's lock file would be removed)."""
+    import time
+
+    from cl_bench.backends.deepspeed_backend import BUILD_LOCK, _build_cpu_comm_op
+
+    builder = _builder_in(tmp_path, monkeypatch, patience=30)
+    ready = builder.folder / "building"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"f = open({str(builder.folder / BUILD_LOCK)!r}, 'a'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+        f"open({str(builder.folder / 'lock')!r}, 'w').close(); open({str(ready)!r}, 'w').close()\n"
+        f"time.sleep(1.5); os.remove({str(builder.folder / 'lock')!r})\n")])
+    try:
+        while not ready.exists():
+            assert holder.poll() is None, "the holder process died"
+            time.sleep(0.05)
+        with caplog.at_level("INFO"):
+            _build_cpu_comm_op(builder)
+    finally:
+        holder.wait(timeout=30)
+    assert len(builder.loads) == 1 and "waiting for another process's build" in caplog.text
+    assert "interrupted build" not in caplog.text

@@ -20,11 +20,12 @@ ITEMS = [
 ]
 
 
-def write_run(root, run_id, predictions=True):
+def write_run(root, run_id, predictions=True, benchmark="trace"):
     run_dir = root / run_id
     run_dir.mkdir(parents=True)
     record = {
         "schema_version": 1, "run_id": run_id, "status": "complete", "method": "seqft", "method_args": {},
+        "benchmark": benchmark,
         "model": {"id": "tiny"}, "profile": "cpu", "tasks": TASKS, "seed": 1,
         "matrix": [[100.0, None], [50.0, 50.0]],  # cl-bench's cells: the view must not use them
         "task_metrics": [{"stage": b, "task": t, "metric": "accuracy", "score": 0.0, "n": 2, "max_new_tokens": 4}
@@ -77,3 +78,19 @@ def test_cli_view_published_prints_the_table(tmp_path, capsys):
     header, row = capsys.readouterr().out.splitlines()
     assert header.startswith("Run,Method,Profile,Precision,Tasks,OP [TRACE],BWT [TRACE],BWT [TreeLoRA]")
     assert row.startswith("seqft-a,seqft,cpu,") and ",25.0,-25.0,-25.0," in row
+
+
+def test_runs_of_another_benchmark_are_left_out_and_named(tmp_path, caplog):
+    """TRACE's scorers know TRACE's metrics only: a long-sequence run among the runs
+    (results/ holds some) is named and left out, not scored into an error. Mutation
+    caught: the benchmark filter dropped (its metric is unknown to the trace set)."""
+    write_run(tmp_path, "seqft-a")
+    write_run(tmp_path, "seqft-long", benchmark="long-sequence")
+    record = json.loads((tmp_path / "seqft-long" / "run.json").read_text())
+    for m in record["task_metrics"]:
+        m["metric"] = "exact_match"  # a long-sequence task's metric: not in TRACE's set
+    (tmp_path / "seqft-long" / "run.json").write_text(json.dumps(record))
+    with caplog.at_level("WARNING"):
+        df = published.build_table(load_runs(tmp_path))
+    assert list(df["Run"]) == ["seqft-a"]
+    assert "1 run(s) of other benchmarks left out" in caplog.text and "seqft-long" in caplog.text
