@@ -23,6 +23,9 @@ from cl_bench.run.metric_log import KINDS as LOG_KINDS
 from cl_bench.run.precision import CHOICES as PRECISIONS
 from cl_bench.run.schedule import SCHEDULES
 
+# the values of Method.lr_family: what a method trains, for train.lr_by_family
+LR_FAMILIES = ("full", "adapter", "expert")
+
 
 @dataclass
 class DataConfig:
@@ -163,6 +166,11 @@ class RunConfig:
         for name in ("batch_size", "micro_batch_size", "epochs", "max_prompt_len", "max_answer_len"):
             if getattr(t, name) < 1:
                 raise UserError(f"train.{name}={getattr(t, name)} must be at least 1")
+        for name in ("n_train", "n_test"):  # checked here, before a run folder is made
+            n = getattr(self.data, name)
+            if n is not None and n < 1:
+                raise UserError(f"data.{name}={n} must be at least 1, or null for the whole split "
+                                f"(--{name.replace('_', '-')} on the command line)")
         if not (math.isfinite(t.grad_clip) and t.grad_clip >= 0):  # NaN or < 0 would turn clipping off
             raise UserError(f"train.grad_clip={t.grad_clip} must be a finite number >= 0 (0 turns clipping off)")
         cap = self.eval.max_new_tokens_cap
@@ -190,6 +198,9 @@ class RunConfig:
             raise UserError(f"train.checkpoint_every_s={t.checkpoint_every_s} must be a number of seconds >= 0 "
                             f"(0: every step), or null for checkpoints at stage ends only, e.g. 600")
         for family, lr in t.lr_by_family.items():
+            if family not in LR_FAMILIES:
+                raise UserError(f"train.lr_by_family: '{family}' is not a method family; "
+                                f"{did_you_mean(str(family), LR_FAMILIES)}choose among {', '.join(LR_FAMILIES)}")
             if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
                 raise UserError(f"train.lr_by_family.{family}={lr!r} must be a positive number")
         if self.data.test_split not in ("test", "eval"):

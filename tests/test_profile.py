@@ -130,3 +130,32 @@ def test_bad_per_task_and_precision_settings_fail_in_one_line(trace_dir, tmp_pat
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").glob("*/run.json"))
+
+
+def test_lr_by_family_names_a_family_and_a_flag_merges_as_a_file_does():
+    """A misspelt family was taken and ignored (the lr stayed the method's default); a
+    `--set` mapping replaced the profile's whole table where the same line in a config
+    file merges into it. Mutations caught: the family check dropped; the flag's mapping
+    left a string until after the merge."""
+    from cl_bench.config import set_dotted
+    from cl_bench.config_fields import LR_FAMILIES
+    from cl_bench.errors import UserError
+
+    assert {cls.lr_family for cls in map(registry.get, registry.available())} - {None} <= set(LR_FAMILIES)
+    with pytest.raises(UserError, match="'fulll' is not a method family; did you mean 'full'"):
+        resolve("cpu", None, {"train": {"lr_by_family": {"fulll": 1e-3}}})
+    raw: dict = {}
+    set_dotted(raw, "train.lr_by_family", "{full: 1e-4}")
+    flag = resolve("cpu", None, raw).train.lr_by_family
+    assert flag == {**resolve("cpu", None, {}).train.lr_by_family, "full": 1e-4}
+
+
+def test_a_count_below_one_is_refused_before_the_run_folder(tmp_path, capsys):
+    """--n-train 0 failed at data loading: after the run folder (a lock only) was made,
+    the error printed twice. Mutation caught: the config-time check dropped."""
+    out = tmp_path / "runs"
+    for flag in ("--n-train", "--n-test"):
+        assert run_cli("run", "--profile", "smoke", "--output-dir", out, flag, "0") == 2
+        err = capsys.readouterr().err
+        assert f"data.{flag[2:].replace('-', '_')}=0 must be at least 1" in err and err.count("error:") == 1
+    assert not out.exists()

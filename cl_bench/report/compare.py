@@ -54,7 +54,9 @@ def differences(a: RunRecord, b: RunRecord, items: bool = True) -> list[str]:
         for split, what in (("test", "test items"), ("train", "training subset")):
             pa, pb = (_get(r.data, (task, split)) or {} for r in (a, b))
             if (pa.get("indices"), pa.get("sha256")) != (pb.get("indices"), pb.get("sha256")):
-                out.append(f"{task}: {what} differ (seed {a.seed} vs {b.seed}, or other data)")
+                na, nb = (len(p.get("indices") or ()) for p in (pa, pb))
+                why = f"{na} vs {nb} items" if na != nb else f"seed {a.seed} vs {b.seed}, or other data"
+                out.append(f"{task}: the {what} differ ({why})")
     if a.precision != b.precision:  # `auto` resolves per machine: bf16 where the CPU has it, else fp32
         out.append(f"precision: {a.precision} vs {b.precision} (set train.precision and eval.precision "
                    f"to the same value for both runs)")

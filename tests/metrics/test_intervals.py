@@ -94,7 +94,8 @@ def test_compare_gives_paired_differences(tmp_path, capsys):
 
 @pytest.mark.parametrize("change, message", [
     (lambda r: r.update(tasks=["NumGLUE-cm", "FOMC"]), "tasks"),
-    (lambda r: r["data"]["C-STANCE"]["test"].update(indices=[9, 8, 7, 6]), "C-STANCE: test items differ"),
+    (lambda r: r["data"]["C-STANCE"]["test"].update(indices=[9, 8, 7, 6]), "C-STANCE: the test items differ (seed"),
+    (lambda r: r["data"]["C-STANCE"]["test"].update(indices=[0, 1]), "C-STANCE: the test items differ (4 vs 2 items)"),
     (lambda r: r["config"]["train"].update(batch_size=8), "train.batch_size: 4 vs 8"),
     (lambda r: r["config"].update(model="smollm2-135m"), "model"),
     (lambda r: r.update(backend={"name": "torch", "precision": {"train": "bf16", "eval": "bf16"}}),
