@@ -116,7 +116,7 @@ def record_faults(path: Path, records: list, fields: tuple[str, ...] = ("prompt"
     if not records:
         return [f"{path}: the list is empty; a split needs at least one record"]
     faults, quoted = [], " and ".join(f'"{name}"' for name in fields)
-    for i, record in enumerate(records):
+    for i, record in enumerate(records, 1):  # counted from 1, as editors and `score` count lines
         if not isinstance(record, dict):
             faults.append(f"{path}: record {i} is a JSON {_json_type(record)}, expected an object "
                           f"with {quoted} strings; fix record {i}")

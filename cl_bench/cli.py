@@ -78,8 +78,12 @@ def cmd_run(args) -> int:
     except KeyboardInterrupt:
         from cl_bench.record.io import RUN_FILE
 
-        if not started or (started[0] / RUN_FILE).exists():
+        if started and (started[0] / RUN_FILE).exists():
             raise
+        if not started:
+            print(f"\ninterrupted before the run folder was made; nothing was written; start it again with: "
+                  f"{program()} {shlex.join(shlex.split(args.command_line)[1:])}", file=sys.stderr)
+            return EXIT_INTERRUPTED
         again = shlex.split(args.command_line)[1:] + ([] if named else ["--run-id", started[0].name])
         print(f"\ninterrupted before the run's record was written; nothing to keep; start it again (its folder "
               f"counts as empty) with: {program()} {shlex.join(again)}", file=sys.stderr)
@@ -347,7 +351,8 @@ def _main(argv: list[str], stop: signals.Stop | None) -> int:
     rank = int(os.environ.get("RANK", "0"))  # ranks > 0 of a launch log errors only: rank 0 says the rest
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO if rank == 0 else logging.ERROR,
                         format="%(levelname)s %(name)s: %(message)s")
-    for noisy in ("transformers", "datasets", "urllib3", "filelock", "httpx", "absl"):
+    # torch._subclasses: FakeTensor's cache statistics, logged at INFO when the process exits
+    for noisy in ("transformers", "datasets", "urllib3", "filelock", "httpx", "absl", "torch._subclasses"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     try:
         import datasets

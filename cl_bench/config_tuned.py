@@ -71,8 +71,14 @@ def read(profile: str, benchmark: str = DEFAULT_BENCHMARK) -> tuple[Path, dict[s
 def load(path: Path) -> dict[str, dict]:
     """Method -> its tuned arguments."""
     if not path.is_file():
-        raise UserError(f"{path}: no tuned file for this profile; make it with `cl-bench tune choose "
-                        f"configs/tuning/{path.stem}.yaml` once its tuning runs are done")
+        grid = ROOT / GRIDS / f"{path.stem}.yaml"
+        if grid.is_file():
+            raise UserError(f"{path}: no tuned file for this profile; make it with `cl-bench tune choose "
+                            f"{grid.relative_to(ROOT)}` once its tuning runs are done")
+        grids = ", ".join(sorted(g.stem for g in (ROOT / GRIDS).glob("*.yaml"))) or "none"
+        raise UserError(f"{path}: no tuned file for this profile, nor a tuning grid ({GRIDS}/{path.stem}.yaml; "
+                        f"profiles with one: {grids}); run without --tuned, or write a grid "
+                        f"(docs/tuning.md) and tune it")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
         methods = {str(m): dict(entry["args"]) for m, entry in data["methods"].items()}

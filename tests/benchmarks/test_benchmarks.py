@@ -151,7 +151,7 @@ def test_data_check_gives_one_line_per_fault(tmp_path, capsys):
     assert len(lines) == 4, lines
     metric, answer, utf8, test = lines  # benchmark.yaml's first, then each task's splits in order
     assert "benchmark.yaml" in metric and "rouge-l" in metric and "did you mean 'rouge_l'" in metric
-    assert "Add/train.json" in answer and "record 0" in answer and 'add "answer"' in answer
+    assert "Add/train.json" in answer and "record 1" in answer and 'add "answer"' in answer
     assert "Echo" in test and "no test split" in test and "add test.json" in test
     assert "Echo/eval.jsonl" in utf8 and "not UTF-8" in utf8 and "re-save" in utf8
 

@@ -77,3 +77,21 @@ def test_a_stop_before_the_record_says_how_to_start_again(trace_dir, tmp_path, m
     monkeypatch.setattr(prepare, "load", real)
     assert run_cli(*argv[1:]) == 0
     assert only_run(out) == run_dir
+
+
+def test_a_stop_before_the_run_folder_says_nothing_was_written(trace_dir, tmp_path, monkeypatch, capsys):
+    """A stop before the folder is claimed (a DeepSpeed backend joining its ranks, say)
+    names the command to start again and that nothing was written (mutation caught: the
+    bare "interrupted" it printed)."""
+    from cl_bench.run import prepare
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare, "create_backend", interrupted)
+    out = tmp_path / "runs"
+    assert run_cli(*smoke_args(trace_dir, out)) == 130
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("interrupted before the run folder was made; nothing was written; start it again "
+                           "with: cl-bench run --profile smoke"), line
+    assert not out.exists() or [p.name for p in out.iterdir()] in ([], [".cache"])

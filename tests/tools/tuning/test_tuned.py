@@ -57,12 +57,16 @@ def test_tuned_takes_the_methods_arguments_from_the_file_and_names_its_commit(re
                                             "--method-arg lr"),
     ({"method": "lwf"}, None, "no tuned arguments for lwf"),
     ({}, "edit", "has uncommitted changes; commit it"),
-    ({"profile": "cpu"}, None, "cpu.yaml: no tuned file for this profile"),
+    ({"profile": "cpu"}, None, "cpu.yaml: no tuned file for this profile, nor a tuning grid"),
+    ({"profile": "cpu"}, "grid", "make it with `cl-bench tune choose configs/tuning/cpu.yaml`"),
     ({"tuned": "configs/tuned/smoke.yaml@abc"}, None, "give true (--tuned)"),
 ])
 def test_tuned_refuses_what_the_record_could_not_name(repo, overrides, change, message):
     if change == "edit":
         (repo / "configs" / "tuned" / "smoke.yaml").write_text(yaml.safe_dump({**TUNED, "profile": "x"}))
+    if change == "grid":  # a profile with a grid but no tuned file yet: the command that makes it
+        (repo / "configs" / "tuning").mkdir(parents=True, exist_ok=True)
+        (repo / "configs" / "tuning" / "cpu.yaml").write_text("profile: cpu\n")
     with pytest.raises(UserError) as e:
         cfg.resolve("cpu", None, {"profile": "smoke", "method": "seqft", "tuned": True, **overrides})
     assert message in str(e.value)
