@@ -247,8 +247,11 @@ def cmd_analyze(args) -> int:
 
     from cl_bench.record.io import stage_index
 
+    if args.against is None and (args.from_stage, args.calibrate_stage) != (None, None):
+        raise UserError("--from-stage and --calibrate-stage choose the stages of a comparison with another "
+                        "run; add --against OTHER_RUN, or drop them")
     calibrate = None if args.calibrate_stage is None else stage_index(args.calibrate_stage)
-    for path in analyze(args.run_dir, args.against, stage_index(args.from_stage), calibrate):
+    for path in analyze(args.run_dir, args.against, stage_index(args.from_stage or 1), calibrate):
         print(path)
     return 0
 

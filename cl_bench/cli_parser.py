@@ -216,14 +216,15 @@ def _add_site(sub) -> None:
 
 
 def _add_analyze(sub) -> None:
-    p = sub.add_parser("analyze", help="figures from a run record (heatmap, decisions, CKA, sharpness), "
-                                       "written beside it")
+    what = "figures from a run record (heatmap, decisions, CKA, sharpness), written beside it"
+    p = sub.add_parser("analyze", help=what, description=f"The {what}; with --against, its step time and peak "
+                                                        f"memory against another run's.")
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     p.add_argument("--against", type=Path, metavar="OTHER_RUN",
                    help="also compare step time and peak memory with this run (cost-vs-<id>.json)")
-    p.add_argument("--from-stage", type=_stage_number(1), default=1, metavar="N",
-                   help="--against: compare stages N.. (numbered as `show` does, from 1; 2 skips a first "
-                        "task both train alike)")
+    p.add_argument("--from-stage", type=_stage_number(1), metavar="N",
+                   help="--against: compare stages N.. (numbered as `show` does, from 1, the default; 2 skips "
+                        "a first task both train alike)")
     p.add_argument("--calibrate-stage", type=_stage_number(1), metavar="N",
                    help="--against: a stage both runs compute identically; ratios also divided by its "
                         "ratio, cancelling a difference in machine load")

@@ -19,7 +19,7 @@ import yaml
 from cl_bench import config_tuned, registry
 from cl_bench.config_fields import (DataConfig, DeepSpeedConfig, EvalConfig, GeneralConfig, ReplayConfig,
                                     RunConfig, TrainConfig, check_per_task, field_hint, field_types)
-from cl_bench.config_values import _yaml_value, coerce, parse_value
+from cl_bench.config_values import coerce, parse_value, yaml_value
 from cl_bench.errors import UserError, did_you_mean
 from cl_bench.profiles import PROFILES, split_own
 
@@ -126,7 +126,7 @@ def set_dotted(raw: dict, dotted: str, text: str) -> None:
         if not isinstance(node, dict):
             raise UserError(f"--set {dotted}={text}: '{part}' is a value, not a section; "
                             f"set it whole or set its fields, not both")
-    node[parts[-1]] = _yaml_value(text, f"--set {dotted}") if text.lstrip().startswith("{") else text
+    node[parts[-1]] = yaml_value(text, f"--set {dotted}") if text.lstrip().startswith("{") else text
 
 
 def _benchmark_of(*raws: dict) -> str:

@@ -41,19 +41,19 @@ def parse_value(text: str, typ: Any, where: str) -> Any:
     if typ is str or typ is Any:
         return text
     if origin in (list, tuple):
-        value = _yaml_value(text, where) if text.startswith("[") else text.split(",")
+        value = yaml_value(text, where) if text.startswith("[") else text.split(",")
         if not isinstance(value, list):
             raise UserError(f"{where}={text!r} must be a list like [a, b]")
         return [parse_value(str(v), args[0], where) for v in value] if args else value
     if origin is dict:
-        value = _yaml_value(text, where)
+        value = yaml_value(text, where)
         if not isinstance(value, dict):
             raise UserError(f"{where}={text!r} must be a mapping like {{key: value}}")
         return coerce(value, typ, where)  # each entry as the field's type says
     raise UserError(f"{where}: cannot parse a value of type {typ}")
 
 
-def _yaml_value(text: str, where: str) -> Any:
+def yaml_value(text: str, where: str) -> Any:
     """A flow-style YAML value of a flag ([1, 2], {a: 1}); safe_load: tags are refused."""
     try:
         return yaml.safe_load(text)

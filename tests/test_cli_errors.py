@@ -129,3 +129,11 @@ def test_help_shows_no_doubled_percent_sign(capsys):
         run_cli("compare", "--help")
     shown = " ".join(capsys.readouterr().out.split())  # as wrapped to the terminal's width
     assert "its 95% paired-bootstrap interval" in shown
+
+
+@pytest.mark.parametrize("flag", ["--from-stage", "--calibrate-stage"])
+def test_analyze_refuses_comparison_flags_without_a_run_to_compare(flag, tmp_path, capsys):
+    """They were ignored without --against. Mutation caught: the check dropped."""
+    assert run_cli("analyze", tmp_path, flag, "2") == 2
+    err = capsys.readouterr().err
+    assert "add --against OTHER_RUN" in err and "Traceback" not in err

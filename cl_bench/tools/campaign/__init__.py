@@ -77,6 +77,10 @@ def survey(plan: Path, entries: list[Entry], root: Path, args, native: bool):
     queued = launch.queued(root)
     todo, refused, elsewhere, left_h, unknown, n_left, n_stuck = [], [], [], 0.0, 0, 0, 0
     estimates: dict[Path, float | None] = {}
+    if not native:  # its one warning (precision._warn_once) before the table, not inside it
+        from cl_bench.run.precision import resolve
+
+        resolve("auto", torch.device("cpu"))
     print(f"{'state':8s} {'hours':>7s}  run  (precision, code; estimate from)", flush=True)
     for entry in entries:
         try:
