@@ -18,6 +18,9 @@ def _kv(text: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
+MIN_RESAMPLES = 100
+
+
 def _resamples(text: str) -> int:
     """An argparse type: bootstrap resamples, at least MIN_RESAMPLES (fewer give a 95%
     interval from a handful of tail draws, or none at all)."""
@@ -29,9 +32,6 @@ def _resamples(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{number}: at least {MIN_RESAMPLES} resamples make a 95% interval "
                                          f"(the default is 1000)")
     return number
-
-
-MIN_RESAMPLES = 100
 
 
 def _stage_number(lowest: int):

@@ -183,11 +183,15 @@ class UpcycledMoE(nn.Module):
     def slots(self) -> torch.Tensor:
         return torch.cat([g.slots for g in self.groups])  # (E,)
 
+    def with_extra(self, extra: ExpertGroup | None) -> list[ExpertGroup]:
+        """The layer's groups, then `extra` (routed after them) where given."""
+        return list(self.groups) if extra is None else [*self.groups, extra]
+
     def experts(self, extra: ExpertGroup | None = None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(gate [h, d], up [h, d], down [d, h]) of each expert, in router-row order
         (`extra`'s after the layer's). unbind views: their backward is one stack per group;
         in a bf16 evaluation, views of each group's one cached bf16 copy (precision.cast_once)."""
-        groups = list(self.groups) if extra is None else [*self.groups, extra]
+        groups = self.with_extra(extra)
         return [e for g in groups
                 for e in zip(*(precision.cast_once(w).unbind(0) for w in (g.gate, g.up, g.down)))]
 
@@ -228,7 +232,7 @@ class UpcycledMoE(nn.Module):
         """sum_j weights[:, j] * expert_{indices[:, j]}(x): `every_expert` where k = E
         (every expert on every token: dense routing, nothing to dispatch), else `dispatch`.
         x: (N, d); weights, indices: (N, k) -> (N, d); indices count `extra` after the layer's."""
-        groups = list(self.groups) if extra is None else [*self.groups, extra]
+        groups = self.with_extra(extra)
         if indices.shape[1] == sum(len(g) for g in groups):
             return self.every_expert(x, torch.zeros_like(weights).scatter_(1, indices, weights), groups)
         return self.dispatch(x, weights, indices, extra)
@@ -244,7 +248,7 @@ class UpcycledMoE(nn.Module):
         order = torch.argsort(flat, stable=True)
         token = order // k  # token of each sorted assignment
         counts = torch.bincount(flat, minlength=len(experts)).tolist()
-        self._note_reach(counts, list(self.groups) if extra is None else [*self.groups, extra])
+        self._note_reach(counts, self.with_extra(extra))
         xs = x.index_select(0, token)  # (N*k, d), grouped by expert
         outs, start = [], 0
         for (gate, up, down), n in zip(experts, counts):
