@@ -78,11 +78,13 @@ def cmd_run(args) -> int:
     except KeyboardInterrupt:
         from cl_bench.record.io import RUN_FILE
 
-        if started and (started[0] / RUN_FILE).exists():
-            raise
+        same = shlex.split(args.command_line)[1:]
+        if started and (started[0] / RUN_FILE).exists():  # --resume: the record is read, not yet rewritten
+            print(f"\ninterrupted before the run was taken up; its record is as it was; continue with: "
+                  f"{program()} {shlex.join(same)}", file=sys.stderr)
+            return EXIT_INTERRUPTED
         if not started:
-            print(f"\ninterrupted before the run folder was made; nothing was written; start it again with: "
-                  f"{program()} {shlex.join(shlex.split(args.command_line)[1:])}", file=sys.stderr)
+            print(f"\n{_NOT_STARTED}{program()} {shlex.join(same)}", file=sys.stderr)
             return EXIT_INTERRUPTED
         again = shlex.split(args.command_line)[1:] + ([] if named else ["--run-id", started[0].name])
         print(f"\ninterrupted before the run's record was written; nothing to keep; start it again (its folder "
@@ -308,6 +310,8 @@ def cmd_tune(args) -> int:
     return tune(args)
 
 
+_NOT_STARTED = "interrupted before the run folder was made; nothing was written; start it again with: "
+
 COMMANDS = {"run": cmd_run, "campaign": cmd_campaign, "tune": cmd_tune, "show": cmd_show, "compare": cmd_compare,
             "claims": cmd_claims,
             "list": cmd_list, "data": cmd_data, "leaderboard": cmd_leaderboard, "site": cmd_site,
@@ -333,8 +337,9 @@ def main(argv: list[str] | None = None) -> int:
             if early:
                 raise KeyboardInterrupt(signal.Signals(early[0]).name)
             return _main(argv, stop)
-        except KeyboardInterrupt:
-            print("\ninterrupted", file=sys.stderr)
+        except KeyboardInterrupt:  # before cmd_run's own handlers (flags, imports, config)
+            print(f"\n{_NOT_STARTED}{program()} {shlex.join(argv)}" if command == "run" else "\ninterrupted",
+                  file=sys.stderr)
             return EXIT_INTERRUPTED
 
 

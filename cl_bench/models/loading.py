@@ -111,7 +111,7 @@ def meta_model(name: str) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if name not in KNOWN_CONFIGS:
-        raise UserError(f"no known configuration '{name}'; known: {', '.join(KNOWN_CONFIGS)}")
+        raise UserError(f"--model {name}: no known configuration; known: {', '.join([TINY, *KNOWN_CONFIGS])}")
     with torch.device("meta"):
         return LlamaForCausalLM(LlamaConfig(**KNOWN_CONFIGS[name]))
 

@@ -129,17 +129,22 @@ def params_command(model: str, method: str, tasks: int,
 
 
 def format_schedule(rows: list[dict[str, Any]]) -> str:
-    """A plain-text table of `schedule_report` rows, counts in billions; experts per
-    layer as one number where every layer has it, else their mean and the list.
-    The last row's `bound` (what the counts assume), if any, closes it."""
+    """A plain-text table of `schedule_report` rows, counts in one unit for the whole
+    table (B, M or K: the largest the largest total reaches, so a small model's
+    counts do not read 0.000B); experts per layer as one number where every layer
+    has it, else their mean and the list. The last row's `bound` (what the counts
+    assume), if any, closes it."""
+    largest = max((r["total"] for r in rows), default=0)
+    scale, unit = next(((s, u) for s, u in ((1e9, "B"), (1e6, "M"), (1e3, "K")) if largest >= s), (1, ""))
     lines = [f"{'stage':>5}  {'total':>9}  {'trainable':>9}  {'active/tok':>10}  {'deployed':>9}  experts/layer"]
     for r in rows:
         experts = r.get("experts_per_layer")
         shown = "-" if experts is None else (
             str(experts[0]) if len(set(experts)) == 1
             else f"mean {sum(experts) / len(experts):.2f} ({','.join(map(str, experts))})")
-        lines.append(f"{r['stage']:>5}  {r['total'] / 1e9:>8.3f}B  {r['trainable'] / 1e9:>8.3f}B  "
-                     f"{r['active_per_token'] / 1e9:>9.3f}B  {r['deployed'] / 1e9:>8.3f}B  {shown}")
+        cells = [f"{r[key] / scale:>{width}.3f}{unit}" for key, width in
+                 (("total", 8), ("trainable", 8), ("active_per_token", 9), ("deployed", 8))]
+        lines.append(f"{r['stage']:>5}  {'  '.join(cells)}  {shown}")
     if rows and rows[-1].get("bound"):
         lines.append(f"({rows[-1]['bound']})")
     return "\n".join(lines)

@@ -195,8 +195,7 @@ def _fewer_added(runs, against, claim) -> tuple[str, str, dict]:
     verdict = HOLDS if max(mine) < min(theirs) else FAILS if min(mine) >= max(theirs) else UNCLEAR
     from cl_bench.report.leaderboard import humanise
 
-    text = (f"adds {humanise(np.mean(mine))} against {humanise(np.mean(theirs))}: "
-            f"{100 * reduction:.0f}% fewer")
+    text = f"adds {humanise(np.mean(mine))} against {humanise(np.mean(theirs))}: {_share(reduction)}"
     if len(mine) > 1:
         text += f" (runs {', '.join(humanise(m) for m in mine)})"
     details = {"added": mine, "against": theirs, "reduction": float(reduction)}
@@ -204,11 +203,17 @@ def _fewer_added(runs, against, claim) -> tuple[str, str, dict]:
         expect = float(claim["expect"])
         each = [1 - m / np.mean(theirs) for m in mine]
         size = HOLDS if min(each) >= expect else FAILS if max(each) < expect else UNCLEAR
-        direction = {HOLDS: "fewer", FAILS: "not fewer", UNCLEAR: "fewer or not"}[verdict]
-        text += (f"; {direction}, {'and' if size == HOLDS else 'but'} {100 * reduction:.0f}% against the claimed "
-                 f"{100 * expect:.0f}%: the size {'is ' if size == UNCLEAR else ''}{size}")
+        text += f"; the claim is {100 * expect:.0f}% fewer: the size {'is ' if size == UNCLEAR else ''}{size}"
         details["size"] = size
     return verdict, text, details
+
+
+def _share(reduction: float) -> str:
+    """A reduction in words: '60% fewer', '12% more', 'as many' (under half a percent)."""
+    if np.isnan(reduction):
+        return "no share (the runs against add none)"
+    shown = round(100 * abs(reduction))
+    return "as many" if shown == 0 else f"{shown}% {'fewer' if reduction > 0 else 'more'}"
 
 
 def _ablation(runs, against, claim) -> tuple[str, str, dict]:

@@ -166,8 +166,8 @@ def spread_decisions(experts_per_layer: float, n_tasks: int, n_moe: int, n_cand:
     if not 0 <= n <= cap:
         top = K + cap / n_moe
         raise UserError(f"--experts-per-layer {experts_per_layer:g}: over {n_tasks} tasks a layer holds "
-                        f"{K} (task 0) to {top:g} experts on average (every decision Expand); give a "
-                        f"value in that range")
+                        f"{K} (every decision Recycle) to {top:g} experts on average (every decision Expand) "
+                        f"after the last task; give a value in that range")
     maps = [[[0] * K for _ in range(n_cand)] for _ in range(n_tasks - 1)]
     for p in range(n):
         rest = p // n_cand

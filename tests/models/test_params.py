@@ -45,7 +45,7 @@ def test_standard_upcycling_of_llama_3_2_1b_over_6_tasks_is_6_07b():
 def test_dense_methods_report_the_same_every_stage():
     rows = schedule_report("llama-3.2-1b", "seqft", 3)
     assert len(rows) == 3 and len({r["total"] for r in rows}) == 1
-    with pytest.raises(UserError, match="known"):
+    with pytest.raises(UserError, match="known: tiny-llama, llama-3.2-1b"):  # every name --model takes
         schedule_report("no-such-config", "upcycle", 2)
     with pytest.raises(UserError, match="at least 1"):
         schedule_report("llama-3.2-1b", "upcycle", 0)
@@ -119,8 +119,15 @@ def test_bilevel_cka_counts_given_decisions_and_the_papers_two_figures_disagree(
         assert totals == sorted(totals) and totals[-1] < 6.0e9
         assert "spread evenly" in rows[-1]["bound"]
     assert "mean 17.81" in format_schedule(high) and "3.029B" in format_schedule(high)
-    with pytest.raises(UserError, match="experts-per-layer 50"):
+    with pytest.raises(UserError, match="experts-per-layer 50: .* 8 .*Recycle.* to 48 experts.*Expand"):
         params_command("llama-3.2-1b", "bilevel-cka", 6, experts_per_layer=50)
+
+
+def test_a_small_model_reads_in_a_unit_it_reaches():
+    """The tiny model's 157,392 parameters read 157.392K, not 0.000B; one unit per
+    table. Mutation caught: billions always."""
+    table = format_schedule(params_command("tiny-llama", "upcycle", 2)).splitlines()
+    assert table[1].split()[:2] == ["1", "157.392K"] and "B" not in "".join(table[1:])
 
 
 def test_params_cli_reads_a_decision_map_or_a_run_record(tmp_path, capsys):

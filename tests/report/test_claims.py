@@ -70,11 +70,19 @@ def test_fewer_added_compares_every_seed_and_judges_the_claimed_share_apart(tmp_
                    {"test": "fewer-added", "runs": small, "against": big, "expect": 0.3},
                    {"test": "fewer-added", "runs": small, "against": big, "expect": 0.9})
     assert out[0][0] == "holds" and "60% fewer" in out[0][1]  # seeds reduce 80% and 40%
-    assert out[0][1].endswith("fewer, but 60% against the claimed 60%: the size is not distinguishable")
-    assert out[1][0] == "does not hold" and "-150% fewer" in out[1][1]
+    assert out[0][1].endswith("60% fewer (runs 100, 300); the claim is 60% fewer: the size is not distinguishable")
+    assert out[1][0] == "does not hold" and out[1][1] == "adds 500 against 200: 150% more (runs 500, 500)"
     assert out[2][0] == "not distinguishable"
-    assert out[3][1].endswith("fewer, and 60% against the claimed 30%: the size holds")
-    assert out[4][0] == "holds" and out[4][1].endswith("fewer, but 60% against the claimed 90%: the size does not hold")
+    assert out[3][1].endswith("; the claim is 30% fewer: the size holds")
+    assert out[4][0] == "holds" and out[4][1].endswith("; the claim is 90% fewer: the size does not hold")
+
+
+def test_a_share_is_said_in_words_whichever_way_it_goes():
+    """Mutation caught: the sign dropped ("100% fewer" for twice as many), or a
+    rounded zero printed as "0% fewer"."""
+    from cl_bench.report.claims import _share
+
+    assert [_share(x) for x in (0.6, -1.0, 0.004, -0.004)] == ["60% fewer", "100% more", "as many", "as many"]
 
 
 def test_an_ablation_holds_when_the_full_method_is_better_and_never_worse(tmp_path):

@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 
 from cl_bench.tools.campaign import estimate
-from helpers import only_run, run_cli, smoke_args
+from helpers import interrupted_run, only_run, run_cli, smoke_args
 
 
 def test_the_estimate_reads_the_checkouts_committed_records():
@@ -95,3 +95,29 @@ def test_a_stop_before_the_run_folder_says_nothing_was_written(trace_dir, tmp_pa
     assert line.startswith("interrupted before the run folder was made; nothing was written; start it again "
                            "with: cl-bench run --profile smoke"), line
     assert not out.exists() or [p.name for p in out.iterdir()] in ([], [".cache"])
+
+
+def test_a_stop_while_a_resume_is_taken_up_leaves_the_record_and_says_continue(trace_dir, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """`run --resume` stopped while the model loads: the record is left byte for byte
+    and the line gives the same --resume command, which then finishes the run
+    (mutation caught: the interrupt passed on to main's handler, whose line says
+    "start it again" for a folder that holds a record)."""
+    from cl_bench.run import prepare
+
+    run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, tmp_path / "runs"), at_stage=1)
+    before = (run_dir / "run.json").read_bytes()
+    real = prepare.load
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare, "load", interrupted)
+    capsys.readouterr()
+    assert run_cli("run", "--resume", run_dir, "--no-progress") == 130
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == ("interrupted before the run was taken up; its record is as it was; continue with: "
+                    f"cl-bench run --resume {run_dir} --no-progress"), line
+    assert (run_dir / "run.json").read_bytes() == before
+    monkeypatch.setattr(prepare, "load", real)
+    assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
