@@ -28,7 +28,8 @@ ZeRO-2; fp16_groups and `ds_tensor`, ZeRO-3) for an optimiser that asks for the
 layout (`bind_zero_layout`, cl_bench/step_gradients.py's ZeroLayout); the
 handles of ZeRO-3's leaf-module reduction hooks (`_leaf_module_hooks`), which
 `apart()` takes off the modules for a gradient outside the step; everything
-else goes through deepspeed.utils (safe_get/set_full_*, set_z3_leaf_module) and
+else goes through deepspeed.utils (safe_get_full_*, safe_set_full_* at ZeRO-2 and
+safe_set_local_* at ZeRO-3 (_set_full), set_z3_leaf_module) and
 deepspeed.zero.GatheredParameters.
 """
 from __future__ import annotations
@@ -169,7 +170,7 @@ class ZeroPhase:
                                                optimizer=self.ds_optimizer, config=ds_config)
         if masters is not None:
             for p, value in zip(self.trainable, masters):
-                deepspeed.utils.safe_set_full_fp32_param(p, value)
+                self._set_full(p, value)
         if self._tensor_keys:
             self._seed_state()
         for p in self.trainable:  # held by the engine now, sharded; close() brings them back
@@ -254,7 +255,30 @@ class ZeroPhase:
         for p in self.trainable:
             for key in self._tensor_keys:
                 if key in carried.get(p, {}):
-                    self.ds.utils.safe_set_full_optimizer_state(p, carried[p][key], key)
+                    self._set_full(p, carried[p][key], key)
+
+    def _set_full(self, p: nn.Parameter, value: torch.Tensor, key: str | None = None) -> None:
+        """Parameter p's fp32 master (key None) or optimiser state `key`, from its full
+        value. ZeRO-3 through the local API, this rank's piece padded with zeros:
+        DeepSpeed's safe_set_full_* (0.19.8, stage3.set_full_hp_param) cuts the value in
+        partitions of the padded size and reads past its end on the last rank wherever
+        the ranks do not divide p's size (3 ranks, or a one-value parameter on 2)."""
+        utils = self.ds.utils
+        if self.zero != 3:
+            if key is None:
+                utils.safe_set_full_fp32_param(p, value)
+            else:
+                utils.safe_set_full_optimizer_state(p, value, key)
+            return
+        size = p.ds_tensor.numel()  # every rank's partition, the last one's padding included
+        start = torch.distributed.get_rank() * size
+        piece = torch.zeros(size, dtype=torch.float32)
+        mine = value.detach().reshape(-1)[start:start + size]
+        piece[:mine.numel()] = mine
+        if key is None:
+            utils.safe_set_local_fp32_param(p, piece)
+        else:
+            utils.safe_set_local_optimizer_state(p, piece, key)
 
     # ---- every step -----------------------------------------------------------------
     def skip(self, idle: list[nn.Parameter]) -> None:

@@ -1,9 +1,18 @@
-"""The deepspeed backend on 2 ranks (CPU, gloo): ZeRO-2 and ZeRO-3 runs of seqft,
-lora, upcycle, ewc, ogd, care, mofo, same, lwf, drop-upcycle, btx, multitask,
-individual, bilevel-cka and cluster-upcycle (and replay and olora on ZeRO-2): all 17
-methods, on the smoke profile, agree with the torch backend, resume
-works, and only rank 0 writes, logs and shows progress; care and same on 3 ranks, one
-running a padding copy.
+"""The deepspeed backend on 2 ranks (CPU, gloo): ZeRO-2 and ZeRO-3 runs of all 17
+methods on the smoke profile agree with the torch backend, and so do these variants:
+ZeRO-2 with the paper config's overlap_comm and contiguous_gradients (ewc, same: the
+methods that edit a step's gradients), two micro-batches per rank (ogd at ZeRO-2, mofo
+at ZeRO-3), upcycle's shared=add at ZeRO-3 (a one-value parameter, padded to one value
+per rank); resume works (the flagship at ZeRO-2, upcycle at ZeRO-3); only rank 0 writes,
+logs and shows progress; care and same on 3 ranks, one running a padding copy; mofo
+on 3 ranks at ZeRO-3, where the ranks do not divide the weights' sizes.
+
+Found by these runs: DeepSpeed's safe_set_full_fp32_param / _optimizer_state at ZeRO-3
+(0.19.8) read past a value's end on the last rank wherever the ranks do not divide a
+parameter's size, so the second phase of any such run failed (3 ranks; shared=add on
+2); zero_engine's _set_full sets each rank's padded piece instead. Mutation caught:
+_set_full calling the safe_set_full_* functions at ZeRO-3 (both the shared=add run and
+the 3-rank mofo run fail, "start (1) + length (1) exceeds dimension size (1)").
 
 One launch (torchrun: the "launched from outside" path) runs every run of RUNS and an
 interrupted-and-resumed one inside the same two processes, which saves a launch per
@@ -58,39 +67,58 @@ from helpers import (assert_same_run, deepspeed_args, interrupted_ds_run, make_t
 # two-rank launches, about a minute each; one at a time under xdist (pyproject.toml's markers)
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deepspeed-ranks")]
 
+# (method, ZeRO stage, variant): every method at both stages, then the variants
 # replay: 2 micro-batches and a replay one per step, so one rank also runs a padding copy
-RUNS = [(method, zero) for method in ("seqft", "lora", "upcycle", "ewc", "ogd", "care", "mofo", "same", "lwf",
-                                     "drop-upcycle", "btx", "multitask", "individual", "bilevel-cka",
-                                     "cluster-upcycle")
-        for zero in (2, 3)] + [("replay", 2), ("olora", 2)]
-RESUMED = ("upcycle", 3)
+RUNS = [(method, zero, "") for method in ("seqft", "lora", "upcycle", "ewc", "ogd", "care", "mofo", "same", "lwf",
+                                         "drop-upcycle", "btx", "multitask", "individual", "bilevel-cka",
+                                         "cluster-upcycle", "replay", "olora")
+        for zero in (2, 3)] + [("ewc", 2, "overlap"), ("same", 2, "overlap"), ("ogd", 2, "acc2"),
+                               ("mofo", 3, "acc2"), ("upcycle", 3, "add")]
+# interrupted in stage 2 and resumed: the flagship (mask logits, its outer optimiser) at
+# ZeRO-2, upcycle at ZeRO-3 (its added experts partitioned)
+RESUMED = [("bilevel-cka", 2), ("upcycle", 3)]
 ARGS = {"ewc": ["--method-arg", "lambda_ewc=1e6"],  # the penalty's gradient dominates: a rank skipping it shows
         "mofo": ["--method-arg", "alpha=0.05", "--keep-checkpoint"]}  # the filter shows; weights compared too
+# overlap: ZeRO-2 with the knobs of configs/deepspeed/paper.json (gradients reduced
+# bucket by bucket during the backward pass, into one contiguous buffer; ZeRO-3
+# overlaps by default); acc2: 8 examples a step, two micro-batches on each rank, so
+# each rank accumulates before the reduction (the torch reference runs the same); add:
+# the routed sum added to the dense path, scaled by a trained one-value parameter per
+# layer, which ZeRO-3 pads to one value per rank (zero_engine's _set_full).
+VARIANTS = {"": [], "overlap": [], "acc2": ["--set", "train.batch_size=8"], "add": ["--method-arg", "shared=add"]}
+CONFIGS = {"": "small.json", "overlap": "overlap.json", "acc2": "small.json", "add": "small.json"}  # written below
 # 4 test examples per task in generation batches of 3 and 1: rank 0 decodes the first
 # batch, rank 1 the second, and both get all predictions back.
 EVAL = ["--set", "eval.batch_size=3"]
 
 
+def _name(method: str, zero: int, variant: str) -> str:
+    return f"{method}-z{zero}" + (f"-{variant}" if variant else "")
+
+
 def _ranks_main(out: Path) -> int:
-    """Each rank of the torchrun launch: every run of RUNS, then RESUMED again,
+    """Each rank of the torchrun launch: every run of RUNS, then each of RESUMED again,
     interrupted in stage 2 and resumed, all through the CLI in this process."""
     trace = out / "trace"
-    ds = lambda zero: [*EVAL, "--backend", "deepspeed", "--zero", str(zero), "--set",
-                       f"deepspeed.config={out / 'small.json'}"]  # written by the test, before the launch
-    for method, zero in RUNS:
-        code = run_cli(*smoke_args(trace, out / f"{method}-z{zero}", "--method", method, *ARGS.get(method, []),
-                                   *ds(zero)))
+    ds = lambda zero, variant="": [*EVAL, *VARIANTS[variant], "--backend", "deepspeed", "--zero", str(zero),
+                                   "--set", f"deepspeed.config={out / CONFIGS[variant]}"]
+    for method, zero, variant in RUNS:
+        code = run_cli(*smoke_args(trace, out / _name(method, zero, variant), "--method", method,
+                                   *ARGS.get(method, []), *ds(zero, variant)))
         if code:
             return code
-    method, zero = RESUMED
 
     class Patch:  # the slice of pytest's monkeypatch interrupted_ds_run uses
         def setattr(self, obj, name, value):
             setattr(obj, name, value)
 
-    run_dir = interrupted_ds_run(Patch(), *smoke_args(trace, out / "resumed", "--method", method, *ds(zero)),
-                                 at_stage=1)
-    return run_cli("run", "--resume", run_dir, "--no-progress")
+    for method, zero in RESUMED:
+        run_dir = interrupted_ds_run(Patch(), *smoke_args(trace, out / f"resumed-{method}", "--method", method,
+                                                          *ARGS.get(method, []), *ds(zero)), at_stage=1)
+        code = run_cli("run", "--resume", run_dir, "--no-progress")
+        if code:
+            return code
+    return 0
 
 
 def _launch_env() -> dict:
@@ -110,7 +138,9 @@ def _shm_buffers() -> set[Path]:
 def test_two_ranks_agree_with_one(tmp_path):
     out = tmp_path / "ranks"
     make_trace(out / "trace")
-    small_buckets(out)
+    small = json.loads(small_buckets(out).read_text())
+    small["zero_optimization"].update(overlap_comm=True, contiguous_gradients=True)
+    (out / "overlap.json").write_text(json.dumps(small))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_port", str(_port()), __file__, str(out)],
                           env=_launch_env(), capture_output=True, text=True, timeout=800)
@@ -118,22 +148,28 @@ def test_two_ranks_agree_with_one(tmp_path):
 
     one = tmp_path / "one"
     references = {}
-    for method, zero in RUNS:
-        if method not in references:  # the torch backend
-            assert run_cli(*smoke_args(out / "trace", one / method, "--method", method, *ARGS.get(method, []),
-                                       *EVAL)) == 0
-            references[method] = only_run(one / method)
-        two = only_run(out / f"{method}-z{zero}")
-        assert_same_run(references[method], two)
+    for method, zero, variant in RUNS:
+        key = (method, tuple(VARIANTS[variant]))
+        if key not in references:  # the torch backend
+            folder = one / _name(method, 0, variant)
+            assert run_cli(*smoke_args(out / "trace", folder, "--method", method, *ARGS.get(method, []),
+                                       *EVAL, *VARIANTS[variant])) == 0
+            references[key] = only_run(folder)
+        two = only_run(out / _name(method, zero, variant))
+        assert_same_run(references[key], two)
         if "--keep-checkpoint" in ARGS.get(method, []):  # and the final weights
-            weights = [checkpoint.load_checkpoint(d)["model"] for d in (references[method], two)]
+            weights = [checkpoint.load_checkpoint(d)["model"] for d in (references[key], two)]
             for name, value in weights[0].items():
-                assert torch.allclose(weights[1][name], value, rtol=0, atol=1e-5), (method, zero, name)
+                assert torch.allclose(weights[1][name], value, rtol=0, atol=1e-5), (method, zero, variant, name)
         record = json.loads((two / "run.json").read_text())
         assert record["backend"]["world_size"] == 2 and record["backend"]["zero"] == zero
-    resumed = json.loads((only_run(out / "resumed") / "run.json").read_text())
-    assert resumed["status"] == "complete" and resumed["resumes"][0]["at_stage"] == 1
-    assert_same_run(only_run(out / "{}-z{}".format(*RESUMED)), only_run(out / "resumed"))
+        zero_config = record["backend"].get("deepspeed_config", {}).get("zero_optimization", {})
+        assert zero_config.get("overlap_comm", zero == 3) == (variant == "overlap" or zero == 3), zero_config
+    for method, zero in RESUMED:
+        resumed = only_run(out / f"resumed-{method}")
+        record = json.loads((resumed / "run.json").read_text())
+        assert record["status"] == "complete" and record["resumes"][0]["at_stage"] == 1
+        assert_same_run(only_run(out / _name(method, zero, "")), resumed)
 
 
 def test_cli_starts_its_ranks_and_only_rank_zero_speaks(trace_dir, tmp_path):
@@ -182,6 +218,25 @@ def test_three_ranks_the_padding_copy_feeds_no_statistic(trace_dir, tmp_path, me
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert json.loads((only_run(three) / "run.json").read_text())["backend"]["world_size"] == 3
     assert_same_run(only_run(one), only_run(three))
+
+
+def test_three_ranks_zero3_where_the_ranks_do_not_divide_a_weight(trace_dir, tmp_path):
+    """mofo (α 0.05) at ZeRO-3 on 3 ranks: the tiny model's sizes (16576 values, say) are
+    not multiples of 3, so the last rank's partition of each is padded; the optimiser
+    state carried into stage 2 is set piece by piece (zero_engine's _set_full), mofo's
+    top-α filter reads each matrix's |momentum| assembled over uneven pieces, and the
+    run and its final weights are the torch backend's."""
+    one, three = tmp_path / "one", tmp_path / "three"
+    args = ["--method", "mofo", "--method-arg", "alpha=0.05", "--keep-checkpoint"]
+    assert run_cli(*smoke_args(trace_dir, one, *args)) == 0
+    argv = smoke_args(trace_dir, three, *args, "--nproc", "3", *deepspeed_args(tmp_path, 3))
+    done = subprocess.run([sys.executable, "-m", "cl_bench.cli", *map(str, argv)], env=_launch_env(),
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert_same_run(only_run(one), only_run(three))
+    weights = [checkpoint.load_checkpoint(only_run(d))["model"] for d in (one, three)]
+    for name, value in weights[0].items():
+        assert torch.allclose(weights[1][name], value, rtol=0, atol=1e-5), name
 
 
 def _port() -> int:
