@@ -64,7 +64,7 @@ class TrainConfig:
     warmup_ratio: float | None = None  # share of a phase's steps with linear warm-up; None: the method's
     checkpoint_every_s: float | None = None  # also checkpoint inside a stage, at the first step boundary this
     #   many seconds of training after the last checkpoint (0: every step; None: at stage ends only), so a
-    #   killed run loses at most this much training (plus one step); torch backend (cl_bench/run/checkpoint.py)
+    #   killed run loses at most this much training (plus one step); either backend (cl_bench/run/checkpoint.py)
 
     def epochs_for(self, task: str) -> int:
         return self.epochs_per_task.get(task, self.epochs)

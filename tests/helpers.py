@@ -61,20 +61,28 @@ def only_run(out: Path) -> Path:
     return run_dir
 
 
-def interrupted_run(monkeypatch, *argv, at_stage: int, backend: type | None = None) -> Path:
+def interrupted_run(monkeypatch, *argv, at_stage: int, backend: type | None = None,
+                    after_step: int | None = None) -> Path:
     """Run the CLI, raising KeyboardInterrupt (Ctrl-C) while stage `at_stage`
     (0-based) trains on `backend` (a Backend class; default TorchBackend), on every
-    rank; returns the run folder, whose finished stages are saved."""
+    rank: as it starts, or once step `after_step` of its first phase is taken (and
+    checkpointed, where the run checkpoints in-stage); returns the run folder, whose
+    finished stages are saved."""
     import torch
 
     if backend is None:
         from cl_bench.backends.torch_backend import TorchBackend as backend
     real = backend.train_stage
 
-    def interrupt(self, method, optimizer, stage, *args, **kwargs):
-        if stage.index == at_stage:
+    def interrupt(self, method, optimizer, stage, epochs, pad_id, on_step=None, *args, **kwargs):
+        if stage.index == at_stage and after_step is None:
             raise KeyboardInterrupt
-        return real(self, method, optimizer, stage, *args, **kwargs)
+
+        def report(step, parts):
+            on_step(step, parts)
+            if stage.index == at_stage and step == after_step:
+                raise KeyboardInterrupt
+        return real(self, method, optimizer, stage, epochs, pad_id, report, *args, **kwargs)
 
     monkeypatch.setattr(backend, "train_stage", interrupt)
     try:
@@ -270,11 +278,11 @@ def deepspeed_args(tmp_path: Path, zero: int) -> list[str]:
     return ["--backend", "deepspeed", "--zero", str(zero), "--set", f"deepspeed.config={small_buckets(tmp_path)}"]
 
 
-def interrupted_ds_run(monkeypatch, *argv, at_stage: int) -> Path:
+def interrupted_ds_run(monkeypatch, *argv, at_stage: int, after_step: int | None = None) -> Path:
     """interrupted_run on the deepspeed backend."""
     from cl_bench.backends.deepspeed_backend import DeepSpeedBackend
 
-    return interrupted_run(monkeypatch, *argv, at_stage=at_stage, backend=DeepSpeedBackend)
+    return interrupted_run(monkeypatch, *argv, at_stage=at_stage, backend=DeepSpeedBackend, after_step=after_step)
 
 
 def log_rows(run_dir: Path) -> list[dict]:

@@ -5,6 +5,7 @@ the deepspeed backend overrides them for N ranks.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -20,9 +21,6 @@ T = TypeVar("T")
 
 class Backend:
     name = ""
-    # Whether train.checkpoint_every_s can checkpoint inside a phase: the model, the
-    # optimiser and the gradients are ordinary objects of this process between steps.
-    in_stage_checkpoints = True
 
     def __init__(self, config: RunConfig, device: torch.device):
         self.config = config
@@ -48,6 +46,12 @@ class Backend:
 
     def barrier(self) -> None:
         """Wait until every rank gets here."""
+
+    def whole(self) -> contextlib.AbstractContextManager:
+        """Inside, between two steps of a phase: the method's model and optimiser hold
+        whole weights and state, as between phases (an in-stage checkpoint reads them
+        there). Every rank enters it. Here they always do."""
+        return contextlib.nullcontext()
 
     def generate(self, model, prompts: list[list[int]], max_new_tokens: int, eos_id: int, pad_id: int,
                  batch_size: int, on_batch: Callable[[int], None] | None = None) -> list[list[int]]:

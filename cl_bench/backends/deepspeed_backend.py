@@ -31,6 +31,7 @@ keeps in fp32 and rounds only inside products, a difference of bf16 rounding.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -196,9 +197,7 @@ def ds_config(config: RunConfig, world_size: int, bf16: bool) -> dict[str, Any]:
 
 class DeepSpeedBackend(Backend):
     name = "deepspeed"
-    # inside a phase the engine holds the partitioned weights and optimiser state:
-    # checkpoints are taken at stage ends only (train.checkpoint_every_s is not used)
-    in_stage_checkpoints = False
+    _phase: ZeroPhase | None = None  # the phase training now, if any
 
     def __init__(self, config: RunConfig):
         import deepspeed  # only here: the torch backend never imports it
@@ -294,6 +293,7 @@ class DeepSpeedBackend(Backend):
         phase = ZeroPhase(self.ds, method.model, optimizer, method.make_optimizer, self.ds_config,
                           self.config.deepspeed.zero, self.bf16, method.idle_units())
         engine = phase.engine
+        self._phase = phase
         method.ctx.grads = ZeroGradients(self.ds, self.config.deepspeed.zero, phase.apart)
 
         def backward(jobs: list[Job], step: int, key: str) -> dict[str, float]:
@@ -326,8 +326,14 @@ class DeepSpeedBackend(Backend):
             raise
         finally:
             method.ctx.grads = StepGradients()
+            self._phase = None
         phase.close()
         return replayed
+
+    def whole(self) -> contextlib.AbstractContextManager:
+        """Inside a phase: the weights and optimiser state gathered from the engine
+        (ZeroPhase.whole); between phases the model is whole already."""
+        return self._phase.whole() if self._phase is not None else contextlib.nullcontext()
 
     def _share(self, jobs: list[Job], replay_everywhere: bool = False) -> list[tuple[int, Job]]:
         """This rank's (index, job) pairs: jobs r, r + N, ... of the step, padded with

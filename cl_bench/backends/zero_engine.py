@@ -346,9 +346,10 @@ class ZeroPhase:
                 hooks.update({key: hook for key, hook in now.items() if key not in order})
 
     # ---- back to an ordinary module ---------------------------------------------------
-    def close(self) -> None:
-        """Full weights and optimiser state back on every rank (collectives: every rank
-        calls this, in the same order), then an ordinary module again."""
+    def _gather(self) -> tuple[dict[nn.Parameter, torch.Tensor], dict[nn.Parameter, dict[str, Any]]]:
+        """Every weight whole (the trainable ones' fp32 masters; ZeRO-3's frozen ones
+        gathered) and the optimiser's per-parameter state, on every rank (collectives:
+        every rank calls this, in the same order)."""
         utils = self.ds.utils
         values: dict[nn.Parameter, torch.Tensor] = {}
         for p in self.trainable:
@@ -359,6 +360,31 @@ class ZeroPhase:
                 if p not in values:
                     with self.ds.zero.GatheredParameters([p]):
                         values[p] = p.data.detach().clone()
+        return values, state
+
+    @contextlib.contextmanager
+    def whole(self):
+        """Inside, between two steps: the model's parameters hold what close() would
+        give them and the ordinary optimiser the state, for an in-stage checkpoint;
+        after, the engine's own tensors and an empty state again. Nothing runs the model
+        inside."""
+        values, state = self._gather()
+        held = [p.data for p in self._params]
+        try:
+            for p, dtype, shape in zip(self._params, self._dtypes, self._shapes):
+                p.data = values.get(p, p.data).reshape(shape).to(dtype)
+            self.optimizer.state.update(state)
+            yield
+        finally:
+            for p, data in zip(self._params, held):
+                p.data = data
+            for p in state:
+                self.optimizer.state.pop(p, None)
+
+    def close(self) -> None:
+        """Full weights and optimiser state back on every rank (collectives: every rank
+        calls this, in the same order), then an ordinary module again."""
+        values, state = self._gather()
         if self._bind is not None:
             self._bind(None)  # between phases the optimiser is an ordinary one again
         self.engine.destroy()

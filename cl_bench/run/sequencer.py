@@ -138,20 +138,19 @@ class _InStageCheckpoints:
     seconds have passed since the stage started or the last one was written."""
 
     def __init__(self, run: Run, stage: Stage, t0: float):
-        every = run.config.train.checkpoint_every_s
-        if every is not None and not run.backend.in_stage_checkpoints:
-            log.warning("train.checkpoint_every_s: the %s backend checkpoints at stage ends only",
-                        run.backend.name)
-            every = None
-        self.run, self.stage, self.t0, self.every = run, stage, t0, every
+        self.run, self.stage, self.t0, self.every = run, stage, t0, run.config.train.checkpoint_every_s
         self.last = time.perf_counter()
 
     def after_step(self, phase: int, next_step: int, log_rows: list[dict]) -> None:
-        now = time.perf_counter()
-        if self.every is None or now - self.last < self.every:
+        if self.every is None:
             return
-        checkpoint.save_in_stage(self.run, checkpoint.InStage(
-            self.stage.index, phase, next_step, log_rows, self.run.global_step, round(now - self.t0, 2)))
+        # rank 0's clock decides for every rank (taking the state whole is collective)
+        if not self.run.backend.on_main(lambda: time.perf_counter() - self.last >= self.every):
+            return
+        with self.run.backend.whole():
+            checkpoint.save_in_stage(self.run, checkpoint.InStage(
+                self.stage.index, phase, next_step, log_rows, self.run.global_step,
+                round(time.perf_counter() - self.t0, 2)))  # rank 0's is the one written
         self.last = time.perf_counter()
 
 

@@ -74,9 +74,13 @@ RUNS = [(method, zero, "") for method in ("seqft", "lora", "upcycle", "ewc", "og
                                          "cluster-upcycle", "replay", "olora")
         for zero in (2, 3)] + [("ewc", 2, "overlap"), ("same", 2, "overlap"), ("ogd", 2, "acc2"),
                                ("mofo", 3, "acc2"), ("upcycle", 3, "add")]
-# interrupted in stage 2 and resumed: the flagship (mask logits, its outer optimiser) at
-# ZeRO-2, upcycle at ZeRO-3 (its added experts partitioned)
-RESUMED = [("bilevel-cka", 2), ("upcycle", 3)]
+# (method, ZeRO stage, step): interrupted in stage 2 and resumed: as it starts (step
+# None), the flagship (mask logits, its outer optimiser) at ZeRO-2 and upcycle at ZeRO-3
+# (its added experts partitioned); or after its first step, checkpointed in-stage at every
+# step (DeepSpeedBackend.whole: rank 0's clock decides, every rank gathers), the flagship
+# at ZeRO-3, resumed at its second step
+RESUMED = [("bilevel-cka", 2, None), ("upcycle", 3, None), ("bilevel-cka", 3, 0)]
+IN_STAGE = ["--set", "train.checkpoint_every_s=0"]
 ARGS = {"ewc": ["--method-arg", "lambda_ewc=1e6"],  # the penalty's gradient dominates: a rank skipping it shows
         "mofo": ["--method-arg", "alpha=0.05", "--keep-checkpoint"]}  # the filter shows; weights compared too
 # overlap: ZeRO-2 with the knobs of configs/deepspeed/paper.json (gradients reduced
@@ -112,9 +116,11 @@ def _ranks_main(out: Path) -> int:
         def setattr(self, obj, name, value):
             setattr(obj, name, value)
 
-    for method, zero in RESUMED:
-        run_dir = interrupted_ds_run(Patch(), *smoke_args(trace, out / f"resumed-{method}", "--method", method,
-                                                          *ARGS.get(method, []), *ds(zero)), at_stage=1)
+    for method, zero, step in RESUMED:
+        run_dir = interrupted_ds_run(Patch(), *smoke_args(trace, out / f"resumed-{method}-z{zero}", "--method",
+                                                          method, *ARGS.get(method, []), *ds(zero),
+                                                          *(IN_STAGE if step is not None else [])),
+                                     at_stage=1, after_step=step)
         code = run_cli("run", "--resume", run_dir, "--no-progress")
         if code:
             return code
@@ -165,10 +171,11 @@ def test_two_ranks_agree_with_one(tmp_path):
         assert record["backend"]["world_size"] == 2 and record["backend"]["zero"] == zero
         zero_config = record["backend"].get("deepspeed_config", {}).get("zero_optimization", {})
         assert zero_config.get("overlap_comm", zero == 3) == (variant == "overlap" or zero == 3), zero_config
-    for method, zero in RESUMED:
-        resumed = only_run(out / f"resumed-{method}")
+    for method, zero, step in RESUMED:
+        resumed = only_run(out / f"resumed-{method}-z{zero}")
         record = json.loads((resumed / "run.json").read_text())
         assert record["status"] == "complete" and record["resumes"][0]["at_stage"] == 1
+        assert record["resumes"][0].get("at_step") == (None if step is None else {"phase": 0, "step": step + 1})
         assert_same_run(only_run(out / _name(method, zero, "")), resumed)
 
 
