@@ -50,7 +50,7 @@ class Backend:
     def whole(self) -> contextlib.AbstractContextManager:
         """Inside, between two steps of a phase: the method's model and optimiser hold
         whole weights and state, as between phases (an in-stage checkpoint reads them
-        there). Every rank enters it. Here they always do."""
+        there). Every rank enters it together. In one process they are whole already."""
         return contextlib.nullcontext()
 
     def generate(self, model, prompts: list[list[int]], max_new_tokens: int, eos_id: int, pad_id: int,
