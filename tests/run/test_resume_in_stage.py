@@ -3,7 +3,7 @@ killed with SIGKILL inside a stage, after an in-stage checkpoint, resumes at the
 step after that checkpoint and ends with the uninterrupted run's predictions,
 metrics and matrix, byte for byte.
 
-The run goes in a subprocess that patches the torch backend so that the process
+The run goes in a subprocess that patches the backends so that the process
 kills itself (SIGKILL: nothing is caught, nothing is flushed) right after the
 optimiser step `step` of phase `phase` of stage `stage`, before that step is
 logged or checkpointed: the step is lost and must be taken again. Both processes
