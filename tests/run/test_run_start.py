@@ -56,14 +56,7 @@ def test_a_stop_before_the_record_says_how_to_start_again(trace_dir, tmp_path, m
     """A stop while the model loads leaves the folder with its lock only; the line names
     the same command with the folder's --run-id, and that command starts the run there
     (mutation caught: the bare "interrupted", which names neither)."""
-    from cl_bench.run import prepare
-
-    real = prepare.load
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(prepare, "load", interrupted)
+    real = _stopped_in(monkeypatch, "load")
     out = tmp_path / "runs"
     assert run_cli(*smoke_args(trace_dir, out)) == 130
     line = capsys.readouterr().err.strip().splitlines()[-1]
@@ -74,7 +67,7 @@ def test_a_stop_before_the_record_says_how_to_start_again(trace_dir, tmp_path, m
     assert [p.name for p in run_dir.iterdir()] == ["run.lock"]
     argv = shlex.split(command)
     assert argv[:2] == ["cl-bench", "run"] and argv[-2:] == ["--run-id", run_dir.name]
-    monkeypatch.setattr(prepare, "load", real)
+    monkeypatch.setattr("cl_bench.run.prepare.load", real)
     assert run_cli(*argv[1:]) == 0
     assert only_run(out) == run_dir
 
@@ -83,12 +76,7 @@ def test_a_stop_before_the_run_folder_says_nothing_was_written(trace_dir, tmp_pa
     """A stop before the folder is claimed (a DeepSpeed backend joining its ranks, say)
     names the command to start again and that nothing was written (mutation caught: the
     bare "interrupted" it printed)."""
-    from cl_bench.run import prepare
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(prepare, "create_backend", interrupted)
+    _stopped_in(monkeypatch, "create_backend")
     out = tmp_path / "runs"
     assert run_cli(*smoke_args(trace_dir, out)) == 130
     line = capsys.readouterr().err.strip().splitlines()[-1]
@@ -103,21 +91,27 @@ def test_a_stop_while_a_resume_is_taken_up_leaves_the_record_and_says_continue(t
     and the line gives the same --resume command, which then finishes the run
     (mutation caught: the interrupt passed on to main's handler, whose line says
     "start it again" for a folder that holds a record)."""
-    from cl_bench.run import prepare
-
     run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, tmp_path / "runs"), at_stage=1)
     before = (run_dir / "run.json").read_bytes()
-    real = prepare.load
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(prepare, "load", interrupted)
+    real = _stopped_in(monkeypatch, "load")
     capsys.readouterr()
     assert run_cli("run", "--resume", run_dir, "--no-progress") == 130
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line == ("interrupted before the run was taken up; its record is as it was; continue with: "
                     f"cl-bench run --resume {run_dir} --no-progress"), line
     assert (run_dir / "run.json").read_bytes() == before
-    monkeypatch.setattr(prepare, "load", real)
+    monkeypatch.setattr("cl_bench.run.prepare.load", real)
     assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
+
+
+def _stopped_in(monkeypatch, name: str):
+    """cl_bench.run.prepare's `name` raises KeyboardInterrupt (Ctrl-C there); returns the real one."""
+    from cl_bench.run import prepare
+
+    real = getattr(prepare, name)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare, name, interrupted)
+    return real
