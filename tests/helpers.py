@@ -285,6 +285,30 @@ def interrupted_ds_run(monkeypatch, *argv, at_stage: int, after_step: int | None
     return interrupted_run(monkeypatch, *argv, at_stage=at_stage, backend=DeepSpeedBackend, after_step=after_step)
 
 
+def tied_tiny_llama(folder: Path) -> Path:
+    """The tiny Llama with its head tied to its embeddings (tie_word_embeddings, as
+    Llama-3.2 and SmolLM2 have; the built-in tiny-llama is untied), saved for --model."""
+    from transformers import LlamaForCausalLM
+
+    model, tokenizer, _ = tiny_llama(0)
+    model.config.tie_word_embeddings = True
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        tied = LlamaForCausalLM(model.config)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    tied.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def assert_follows_fp32(fp32: Path, bf16: Path) -> None:
+    """A bf16 run follows the fp32 run of the same method: each step's loss within 2e-3
+    and grad_norm within 2e-2 relative (tests/backends/test_deepspeed.py's bf16 tests)."""
+    for x, y in zip(log_rows(fp32), log_rows(bf16), strict=True):
+        assert y["lm"] == pytest.approx(x["lm"], rel=2e-3), (x, y)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=2e-2), (x, y)
+
+
 def log_rows(run_dir: Path) -> list[dict]:
     return results.read_jsonl(run_dir / "metrics.jsonl")
 

@@ -48,9 +48,10 @@ class Backend:
         """Wait until every rank gets here."""
 
     def whole(self) -> contextlib.AbstractContextManager:
-        """Inside, between two steps of a phase: the method's model and optimiser hold
-        whole weights and state, as between phases (an in-stage checkpoint reads them
-        there). Every rank enters it together. In one process they are whole already."""
+        """Inside, between two steps of a phase: on rank 0 the method's model and
+        optimiser hold whole weights and state, as between phases (the in-stage
+        checkpoint rank 0 writes reads them there). Every rank enters it together. In
+        one process they are whole already."""
         return contextlib.nullcontext()
 
     def generate(self, model, prompts: list[list[int]], max_new_tokens: int, eos_id: int, pad_id: int,

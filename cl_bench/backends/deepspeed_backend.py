@@ -331,9 +331,10 @@ class DeepSpeedBackend(Backend):
         return replayed
 
     def whole(self) -> contextlib.AbstractContextManager:
-        """Inside a phase: the weights and optimiser state gathered from the engine
-        (ZeroPhase.whole); between phases the model is whole already."""
-        return self._phase.whole() if self._phase is not None else contextlib.nullcontext()
+        """Inside a phase: the weights and optimiser state gathered from the engine onto
+        rank 0, the rank that writes checkpoints (ZeroPhase.whole; the other ranks only
+        take part); between phases the model is whole already."""
+        return self._phase.whole(keep=self.is_main) if self._phase is not None else contextlib.nullcontext()
 
     def _share(self, jobs: list[Job], replay_everywhere: bool = False) -> list[tuple[int, Job]]:
         """This rank's (index, job) pairs: jobs r, r + N, ... of the step, padded with

@@ -346,33 +346,42 @@ class ZeroPhase:
                 hooks.update({key: hook for key, hook in now.items() if key not in order})
 
     # ---- back to an ordinary module ---------------------------------------------------
-    def _gather(self) -> tuple[dict[nn.Parameter, torch.Tensor], dict[nn.Parameter, dict[str, Any]]]:
+    def _gather(self, to: str | None) -> tuple[dict[nn.Parameter, torch.Tensor],
+                                               dict[nn.Parameter, dict[str, Any]]]:
         """Every weight whole (the trainable ones' fp32 masters; ZeRO-3's frozen ones
-        gathered) and the optimiser's per-parameter state, on every rank (collectives:
-        every rank calls this, in the same order)."""
+        gathered) and the optimiser's per-parameter state (collectives: every rank calls
+        this, in the same order). `to`: where each value goes as it comes, one at a time:
+        "device" (where DeepSpeed returns it), "host" (CPU memory), or None: nowhere,
+        this rank only takes part in the collectives and holds nothing more after."""
         utils = self.ds.utils
+        keep = {"device": lambda t: t.detach().clone(), "host": lambda t: t.detach().to("cpu", copy=True),
+                None: lambda t: None}[to]
         values: dict[nn.Parameter, torch.Tensor] = {}
         for p in self.trainable:
-            values[p] = utils.safe_get_full_fp32_param(p).detach().clone()
-        state = self._read_state()
+            values[p] = keep(utils.safe_get_full_fp32_param(p))
+        state = self._read_state(to is not None)
         if self.zero == 3:
             for p in self._params:
                 if p not in values:
                     with self.ds.zero.GatheredParameters([p]):
-                        values[p] = p.data.detach().clone()
-        return values, state
+                        values[p] = keep(p.data)
+        return ({p: v for p, v in values.items() if v is not None}, state)
 
     @contextlib.contextmanager
-    def whole(self):
-        """Inside, between two steps: the model's parameters hold what close() would
-        give them and the ordinary optimiser the state, for an in-stage checkpoint;
-        after, the engine's own tensors and an empty state again. Nothing runs the model
-        inside."""
-        values, state = self._gather()
+    def whole(self, keep: bool):
+        """Inside, between two steps: on a rank that keeps (rank 0, the one that writes
+        an in-stage checkpoint), the model's parameters hold what close() would give
+        them (those gathered, in host memory) and the ordinary optimiser the state;
+        after, the engine's own tensors and an empty state again. Every rank takes part
+        in the gathering, one value at a time, and the other ranks keep nothing: beside
+        the engine, a device holds one whole value at a time, and only rank 0 a host
+        copy of the whole state. Nothing runs the model inside."""
+        values, state = self._gather("host" if keep else None)
         held = [p.data for p in self._params]
         try:
             for p, dtype, shape in zip(self._params, self._dtypes, self._shapes):
-                p.data = values.get(p, p.data).reshape(shape).to(dtype)
+                if p in values:  # ZeRO-2's frozen weights are whole on every rank already
+                    p.data = values[p].reshape(shape).to(dtype)
             self.optimizer.state.update(state)
             yield
         finally:
@@ -384,7 +393,7 @@ class ZeroPhase:
     def close(self) -> None:
         """Full weights and optimiser state back on every rank (collectives: every rank
         calls this, in the same order), then an ordinary module again."""
-        values, state = self._gather()
+        values, state = self._gather("device")
         if self._bind is not None:
             self._bind(None)  # between phases the optimiser is an ordinary one again
         self.engine.destroy()
@@ -411,7 +420,9 @@ class ZeroPhase:
         """Put back the F.linear this phase found (ZeRO-3 replaced it for the process)."""
         torch.nn.functional.linear = self._linear
 
-    def _read_state(self) -> dict[nn.Parameter, dict[str, Any]]:
+    def _read_state(self, keep: bool = True) -> dict[nn.Parameter, dict[str, Any]]:
+        """Each trainable parameter's optimiser state, whole, in host memory (collective);
+        keep False: only take part, return nothing."""
         inner = self.engine.optimizer.optimizer
         flats = self._flat_partitions()
         if not flats or flats[0][1] not in inner.state:
@@ -427,6 +438,8 @@ class ZeroPhase:
             if float(scalars[g].get("step", 1)) == 0:
                 continue  # seeded, never stepped: no state, as on torch
             for p in slot.params:
-                out[p] = {**scalars[g], **{k: self.ds.utils.safe_get_full_optimizer_state(p, k)
-                                           .detach().to("cpu", copy=True).reshape(self._shape_of[p]) for k in keys}}
+                whole = {k: self.ds.utils.safe_get_full_optimizer_state(p, k) for k in keys}
+                if keep:
+                    out[p] = {**scalars[g], **{k: v.detach().to("cpu", copy=True).reshape(self._shape_of[p])
+                                               for k, v in whole.items()}}
         return out

@@ -3,9 +3,13 @@ methods on the smoke profile agree with the torch backend, and so do these varia
 ZeRO-2 with the paper config's overlap_comm and contiguous_gradients (ewc, same: the
 methods that edit a step's gradients), two micro-batches per rank (ogd at ZeRO-2, mofo
 at ZeRO-3), upcycle's shared=add at ZeRO-3 (a one-value parameter, padded to one value
-per rank); resume works (the flagship at ZeRO-2, upcycle at ZeRO-3); only rank 0 writes,
-logs and shows progress; care and same on 3 ranks, one running a padding copy; mofo
-on 3 ranks at ZeRO-3, where the ranks do not divide the weights' sizes.
+per rank), a model with tied embeddings (seqft at ZeRO-3, ewc at ZeRO-2); under
+deepspeed.bf16, ewc (ZeRO-3) and ogd (ZeRO-2) follow the torch backend's fp32 run;
+resume works (the flagship at ZeRO-2, upcycle at ZeRO-3, the flagship in-stage at
+ZeRO-3, where at the checkpoint rank 0 holds the weights and optimiser state whole and
+rank 1 nothing more than its partitions); only rank 0 writes, logs and shows progress;
+care and same on 3 ranks, one running a padding copy; mofo on 3 ranks at ZeRO-3, where
+the ranks do not divide the weights' sizes.
 
 Found by these runs: DeepSpeed's safe_set_full_fp32_param / _optimizer_state at ZeRO-3
 (0.19.8) read past a value's end on the last rank wherever the ranks do not divide a
@@ -51,6 +55,7 @@ flat partition stepped as one 1-D tensor (plain Adam) fails at both (5.486).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -60,9 +65,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from cl_bench.backends.zero_engine import ZeroPhase
 from cl_bench.run import checkpoint
-from helpers import (assert_same_run, deepspeed_args, interrupted_ds_run, make_trace, only_run, run_cli, smoke_args,
-                     small_buckets)
+from helpers import (assert_follows_fp32, assert_same_run, deepspeed_args, interrupted_ds_run, make_trace, only_run,
+                     run_cli, smoke_args, small_buckets, tied_tiny_llama)
 
 # two-rank launches, about a minute each; one at a time under xdist (pyproject.toml's markers)
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deepspeed-ranks")]
@@ -73,7 +79,8 @@ RUNS = [(method, zero, "") for method in ("seqft", "lora", "upcycle", "ewc", "og
                                          "drop-upcycle", "btx", "multitask", "individual", "bilevel-cka",
                                          "cluster-upcycle", "replay", "olora")
         for zero in (2, 3)] + [("ewc", 2, "overlap"), ("same", 2, "overlap"), ("ogd", 2, "acc2"),
-                               ("mofo", 3, "acc2"), ("upcycle", 3, "add")]
+                               ("mofo", 3, "acc2"), ("upcycle", 3, "add"), ("seqft", 3, "tied"),
+                               ("ewc", 2, "tied"), ("ewc", 3, "bf16"), ("ogd", 2, "bf16")]
 # (method, ZeRO stage, step): interrupted in stage 2 and resumed: as it starts (step
 # None), the flagship (mask logits, its outer optimiser) at ZeRO-2 and upcycle at ZeRO-3
 # (its added experts partitioned); or after its first step, checkpointed in-stage at every
@@ -89,8 +96,16 @@ ARGS = {"ewc": ["--method-arg", "lambda_ewc=1e6"],  # the penalty's gradient dom
 # each rank accumulates before the reduction (the torch reference runs the same); add:
 # the routed sum added to the dense path, scaled by a trained one-value parameter per
 # layer, which ZeRO-3 pads to one value per rank (zero_engine's _set_full).
-VARIANTS = {"": [], "overlap": [], "acc2": ["--set", "train.batch_size=8"], "add": ["--method-arg", "shared=add"]}
-CONFIGS = {"": "small.json", "overlap": "overlap.json", "acc2": "small.json", "add": "small.json"}  # written below
+# tied: a tiny Llama whose head is its embedding matrix (tie_word_embeddings, as
+# Llama-3.2 and SmolLM2; written below): one weight with two readers, trained whole
+# (seqft, ZeRO-3) and its gradient edited on the ranks' fragments (ewc, ZeRO-2).
+# bf16: deepspeed.bf16 (DS_ONLY: the torch reference is the fp32 run), the gradient
+# edits on bf16 gradients split over the ranks; it follows the fp32 run within
+# helpers.assert_follows_fp32's bounds.
+VARIANTS = {"": [], "overlap": [], "acc2": ["--set", "train.batch_size=8"], "add": ["--method-arg", "shared=add"],
+            "tied": ["--model", "{out}/tied"], "bf16": []}
+DS_ONLY = {"bf16": ["--set", "deepspeed.bf16=true"]}
+CONFIGS = {"overlap": "overlap.json"}  # written below; small.json otherwise
 # 4 test examples per task in generation batches of 3 and 1: rank 0 decodes the first
 # batch, rank 1 the second, and both get all predictions back.
 EVAL = ["--set", "eval.batch_size=3"]
@@ -104,8 +119,9 @@ def _ranks_main(out: Path) -> int:
     """Each rank of the torchrun launch: every run of RUNS, then each of RESUMED again,
     interrupted in stage 2 and resumed, all through the CLI in this process."""
     trace = out / "trace"
-    ds = lambda zero, variant="": [*EVAL, *VARIANTS[variant], "--backend", "deepspeed", "--zero", str(zero),
-                                   "--set", f"deepspeed.config={out / CONFIGS[variant]}"]
+    ds = lambda zero, variant="": [*EVAL, *_variant(variant, out), *DS_ONLY.get(variant, []), "--backend",
+                                   "deepspeed", "--zero", str(zero), "--set",
+                                   f"deepspeed.config={out / CONFIGS.get(variant, 'small.json')}"]
     for method, zero, variant in RUNS:
         code = run_cli(*smoke_args(trace, out / _name(method, zero, variant), "--method", method,
                                    *ARGS.get(method, []), *ds(zero, variant)))
@@ -116,15 +132,40 @@ def _ranks_main(out: Path) -> int:
         def setattr(self, obj, name, value):
             setattr(obj, name, value)
 
+    real_whole = ZeroPhase.whole
     for method, zero, step in RESUMED:
-        run_dir = interrupted_ds_run(Patch(), *smoke_args(trace, out / f"resumed-{method}-z{zero}", "--method",
-                                                          method, *ARGS.get(method, []), *ds(zero),
-                                                          *(IN_STAGE if step is not None else [])),
-                                     at_stage=1, after_step=step)
+        if step is not None:
+            ZeroPhase.whole = _holding(real_whole, out / f"held-{method}-z{zero}")
+        try:
+            run_dir = interrupted_ds_run(Patch(), *smoke_args(trace, out / f"resumed-{method}-z{zero}", "--method",
+                                                              method, *ARGS.get(method, []), *ds(zero),
+                                                              *(IN_STAGE if step is not None else [])),
+                                         at_stage=1, after_step=step)
+        finally:
+            ZeroPhase.whole = real_whole
         code = run_cli("run", "--resume", run_dir, "--no-progress")
         if code:
             return code
     return 0
+
+
+def _variant(variant: str, out: Path) -> list[str]:
+    return [arg.format(out=out) for arg in VARIANTS[variant]]
+
+
+def _holding(whole, folder: Path):
+    """ZeroPhase.whole, noting what this rank's model and optimiser hold inside (at each
+    in-stage checkpoint; the last one's note stays) in folder/rank<r>.json."""
+
+    @contextlib.contextmanager
+    def noting(phase, keep):
+        with whole(phase, keep):
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps({
+                "whole": [list(p.shape) == list(shape) for p, shape in zip(phase._params, phase._shapes)],
+                "state": len(phase.optimizer.state)}))
+            yield
+    return noting
 
 
 def _launch_env() -> dict:
@@ -147,6 +188,7 @@ def test_two_ranks_agree_with_one(tmp_path):
     small = json.loads(small_buckets(out).read_text())
     small["zero_optimization"].update(overlap_comm=True, contiguous_gradients=True)
     (out / "overlap.json").write_text(json.dumps(small))
+    tied_tiny_llama(out / "tied")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_port", str(_port()), __file__, str(out)],
                           env=_launch_env(), capture_output=True, text=True, timeout=800)
@@ -159,9 +201,13 @@ def test_two_ranks_agree_with_one(tmp_path):
         if key not in references:  # the torch backend
             folder = one / _name(method, 0, variant)
             assert run_cli(*smoke_args(out / "trace", folder, "--method", method, *ARGS.get(method, []),
-                                       *EVAL, *VARIANTS[variant])) == 0
+                                       *EVAL, *_variant(variant, out))) == 0
             references[key] = only_run(folder)
         two = only_run(out / _name(method, zero, variant))
+        if variant == "bf16":
+            assert json.loads((two / "run.json").read_text())["backend"]["bf16"] is True
+            assert_follows_fp32(references[key], two)
+            continue
         assert_same_run(references[key], two)
         if "--keep-checkpoint" in ARGS.get(method, []):  # and the final weights
             weights = [checkpoint.load_checkpoint(d)["model"] for d in (references[key], two)]
@@ -177,6 +223,10 @@ def test_two_ranks_agree_with_one(tmp_path):
         assert record["status"] == "complete" and record["resumes"][0]["at_stage"] == 1
         assert record["resumes"][0].get("at_step") == (None if step is None else {"phase": 0, "step": step + 1})
         assert_same_run(only_run(out / _name(method, zero, "")), resumed)
+        if step is not None:  # inside whole(): rank 0 held the weights and state whole, rank 1 nothing more
+            held = [json.loads((out / f"held-{method}-z{zero}" / f"rank{r}.json").read_text()) for r in (0, 1)]
+            assert all(held[0]["whole"]) and held[0]["state"] > 0, held[0]
+            assert not any(held[1]["whole"]) and held[1]["state"] == 0, held[1]
 
 
 def test_cli_starts_its_ranks_and_only_rank_zero_speaks(trace_dir, tmp_path):
