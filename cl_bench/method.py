@@ -285,6 +285,12 @@ class Method:
     def after_task(self, stage: Stage) -> None:
         """Called after a stage trains (Fisher, finalise masks, ...)."""
 
+    def before_checkpoint(self) -> None:
+        """Called on every rank between two steps, before an in-stage checkpoint, which
+        rank 0 writes from its own state_dict(): a method whose steps keep state split
+        over the ranks sums it here (ctx.grads' collectives), so that rank 0's
+        state_dict holds all of it, without changing what the run computes next."""
+
     def state_dict(self) -> dict[str, Any]:
         """Method state beyond the model weights, for resume."""
         return {}

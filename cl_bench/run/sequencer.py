@@ -147,6 +147,7 @@ class _InStageCheckpoints:
         # rank 0's clock decides for every rank (taking the state whole is collective)
         if not self.run.backend.on_main(lambda: time.perf_counter() - self.last >= self.every):
             return
+        self.run.method.before_checkpoint()
         with self.run.backend.whole():
             checkpoint.save_in_stage(self.run, checkpoint.InStage(
                 self.stage.index, phase, next_step, log_rows, self.run.global_step,

@@ -286,6 +286,14 @@ class SAME(Method):
         self._task = None
 
     # ---- records and resume -----------------------------------------------------------
+    def before_checkpoint(self) -> None:
+        """On N ranks the covariance tokens each rank added since the last merge are its
+        own: summed here for the checkpoint rank 0 writes (InputCovariance.hold)."""
+        device = device_of(self.model)
+        for covs in self.covs:
+            for cov in covs.values():
+                cov.hold(self.ctx.grads.all_reduce, device)
+
     def state_dict(self) -> dict[str, Any]:
         state = self._tables()
         if self._task is not None:  # inside a task (an in-stage checkpoint): what its steps changed

@@ -101,7 +101,9 @@ def damped_inverse(g: torch.Tensor, sub: Subspace, mu: float) -> torch.Tensor:
 class InputCovariance:
     """Running uncentred covariance sum_x x x^T / n over every token added (fp32). On N
     ranks each adds its own tokens to `fresh` (add(..., shared=True)); `merge` sums the
-    ranks' fresh parts into the covariance, which every rank must call before reading it."""
+    ranks' fresh parts into the covariance, which every rank must call before reading it.
+    An in-stage checkpoint between two merges holds the ranks' fresh parts summed
+    (`hold`, then state_dict), and a run resumed from it adds them at its next merge."""
 
     def __init__(self, dim: int):
         self.dim = dim
@@ -109,6 +111,10 @@ class InputCovariance:
         self.count = 0
         self.fresh: torch.Tensor | None = None  # this rank's tokens since the last merge (N ranks)
         self.fresh_count = 0
+        # every rank's fresh tokens summed, not merged yet: (sum, count), taken by hold() for
+        # a checkpoint, or loaded from one (the same on every rank)
+        self.held: tuple[torch.Tensor, int] | None = None
+        self.carried: tuple[torch.Tensor, int] | None = None
 
     def add(self, x: torch.Tensor, shared: bool = False) -> None:
         """x: (n, d) tokens; `shared`: this rank's share of the data (merge sums the shares)."""
@@ -131,22 +137,39 @@ class InputCovariance:
             self.sum = self.sum.to(device)
         return self.sum
 
-    def merge(self, all_reduce, device) -> None:
-        """Every rank's fresh tokens into the covariance (`all_reduce` sums a tensor over
-        the ranks in place; every rank calls this, in the same order)."""
+    def _unmerged(self, all_reduce, device) -> tuple[torch.Tensor, int]:
+        """Every rank's fresh tokens summed (a collective), with those a checkpoint carried."""
         fresh = self.fresh if self.fresh is not None else torch.zeros(self.dim, self.dim, device=device)
         both = torch.cat([fresh.reshape(-1), fresh.new_tensor([float(self.fresh_count)])])
         all_reduce(both)
-        if int(both[-1]):
-            self._total(both.device).add_(both[:-1].view(self.dim, self.dim))
-            self.count += int(both[-1])
-        self.fresh, self.fresh_count = None, 0
+        total, n = both[:-1].view(self.dim, self.dim), int(both[-1])
+        if self.carried is not None:
+            total, n = total + self.carried[0].to(total.device), n + self.carried[1]
+        return total, n
+
+    def merge(self, all_reduce, device) -> None:
+        """Every rank's fresh tokens into the covariance (`all_reduce` sums a tensor over
+        the ranks in place; every rank calls this, in the same order)."""
+        total, n = self._unmerged(all_reduce, device)
+        if n:
+            self._total(total.device).add_(total)
+            self.count += n
+        self.fresh, self.fresh_count, self.held, self.carried = None, 0, None, None
+
+    def hold(self, all_reduce, device) -> None:
+        """Before an in-stage checkpoint (every rank, in the same order): every rank's
+        fresh tokens summed for state_dict, which rank 0 alone writes. Nothing the run
+        computes changes: fresh stays, to be merged as before."""
+        total, n = self._unmerged(all_reduce, device)
+        self.held = (total, n) if n else None
 
     def subspace(self, delta: float, max_rank: int) -> Subspace | None:
         return None if not self.count else top_subspace(self.sum / self.count, delta, max_rank)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sum": self.sum, "count": self.count}
+        return {"sum": self.sum, "count": self.count, **({"unmerged": self.held} if self.held else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sum, self.count = state["sum"], state["count"]
+        self.fresh, self.fresh_count, self.held = None, 0, None
+        self.carried = state.get("unmerged")

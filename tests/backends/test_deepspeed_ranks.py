@@ -17,6 +17,11 @@ parameter's size, so the second phase of any such run failed (3 ranks; shared=ad
 2); zero_engine's _set_full sets each rank's padded piece instead. Mutation caught:
 _set_full calling the safe_set_full_* functions at ZeRO-3 (both the shared=add run and
 the 3-rank mofo run fail, "start (1) + length (1) exceeds dimension size (1)").
+Also found by these runs: SAME's in-stage checkpoint on 2 ranks kept only rank 0's
+covariance tokens since the last merge (each rank adds its own until a merge), so the
+resumed run differed from stage 3 on (grad_norm 0.0235909 for 0.0235949); now every
+rank sums them first (Method.before_checkpoint, InputCovariance.hold). Mutation caught:
+the hook doing nothing (the run before the fix).
 
 One launch (torchrun: the "launched from outside" path) runs every run of RUNS and an
 interrupted-and-resumed one inside the same two processes, which saves a launch per
@@ -80,13 +85,16 @@ RUNS = [(method, zero, "") for method in ("seqft", "lora", "upcycle", "ewc", "og
                                          "cluster-upcycle", "replay", "olora")
         for zero in (2, 3)] + [("ewc", 2, "overlap"), ("same", 2, "overlap"), ("ogd", 2, "acc2"),
                                ("mofo", 3, "acc2"), ("upcycle", 3, "add"), ("seqft", 3, "tied"),
-                               ("ewc", 2, "tied"), ("ewc", 3, "bf16"), ("ogd", 2, "bf16")]
-# (method, ZeRO stage, step): interrupted in stage 2 and resumed: as it starts (step
-# None), the flagship (mask logits, its outer optimiser) at ZeRO-2 and upcycle at ZeRO-3
-# (its added experts partitioned); or after its first step, checkpointed in-stage at every
-# step (DeepSpeedBackend.whole: rank 0's clock decides, every rank gathers), the flagship
-# at ZeRO-3, resumed at its second step
-RESUMED = [("bilevel-cka", 2, None), ("upcycle", 3, None), ("bilevel-cka", 3, 0)]
+                               ("ewc", 2, "tied"), ("ewc", 3, "bf16"), ("ogd", 2, "bf16"), ("same", 2, "norefresh")]
+# (method, ZeRO stage, variant, step): interrupted in stage 2 and resumed: as it starts
+# (step None), the flagship (mask logits, its outer optimiser) at ZeRO-2 and upcycle at
+# ZeRO-3 (its added experts partitioned); or after its first step, checkpointed in-stage
+# at every step (DeepSpeedBackend.whole: rank 0's clock decides, every rank gathers),
+# resumed at its second step: the flagship at ZeRO-3, and same with the covariance
+# tokens each rank added since the last merge (all of the task's so far, norefresh)
+# summed into the checkpoint (Method.before_checkpoint)
+RESUMED = [("bilevel-cka", 2, "", None), ("upcycle", 3, "", None), ("bilevel-cka", 3, "", 0),
+           ("same", 2, "norefresh", 0)]
 IN_STAGE = ["--set", "train.checkpoint_every_s=0"]
 ARGS = {"ewc": ["--method-arg", "lambda_ewc=1e6"],  # the penalty's gradient dominates: a rank skipping it shows
         "mofo": ["--method-arg", "alpha=0.05", "--keep-checkpoint"]}  # the filter shows; weights compared too
@@ -103,7 +111,7 @@ ARGS = {"ewc": ["--method-arg", "lambda_ewc=1e6"],  # the penalty's gradient dom
 # edits on bf16 gradients split over the ranks; it follows the fp32 run within
 # helpers.assert_follows_fp32's bounds.
 VARIANTS = {"": [], "overlap": [], "acc2": ["--set", "train.batch_size=8"], "add": ["--method-arg", "shared=add"],
-            "tied": ["--model", "{out}/tied"], "bf16": []}
+            "tied": ["--model", "{out}/tied"], "bf16": [], "norefresh": ["--method-arg", "spectral_routing=false"]}
 DS_ONLY = {"bf16": ["--set", "deepspeed.bf16=true"]}
 CONFIGS = {"overlap": "overlap.json"}  # written below; small.json otherwise
 # 4 test examples per task in generation batches of 3 and 1: rank 0 decodes the first
@@ -133,12 +141,13 @@ def _ranks_main(out: Path) -> int:
             setattr(obj, name, value)
 
     real_whole = ZeroPhase.whole
-    for method, zero, step in RESUMED:
+    for method, zero, variant, step in RESUMED:
+        name = _name(method, zero, variant)
         if step is not None:
-            ZeroPhase.whole = _holding(real_whole, out / f"held-{method}-z{zero}")
+            ZeroPhase.whole = _holding(real_whole, out / f"held-{name}")
         try:
-            run_dir = interrupted_ds_run(Patch(), *smoke_args(trace, out / f"resumed-{method}-z{zero}", "--method",
-                                                              method, *ARGS.get(method, []), *ds(zero),
+            run_dir = interrupted_ds_run(Patch(), *smoke_args(trace, out / f"resumed-{name}", "--method",
+                                                              method, *ARGS.get(method, []), *ds(zero, variant),
                                                               *(IN_STAGE if step is not None else [])),
                                          at_stage=1, after_step=step)
         finally:
@@ -217,16 +226,19 @@ def test_two_ranks_agree_with_one(tmp_path):
         assert record["backend"]["world_size"] == 2 and record["backend"]["zero"] == zero
         zero_config = record["backend"].get("deepspeed_config", {}).get("zero_optimization", {})
         assert zero_config.get("overlap_comm", zero == 3) == (variant == "overlap" or zero == 3), zero_config
-    for method, zero, step in RESUMED:
-        resumed = only_run(out / f"resumed-{method}-z{zero}")
+    for method, zero, variant, step in RESUMED:
+        name = _name(method, zero, variant)
+        resumed = only_run(out / f"resumed-{name}")
         record = json.loads((resumed / "run.json").read_text())
         assert record["status"] == "complete" and record["resumes"][0]["at_stage"] == 1
         assert record["resumes"][0].get("at_step") == (None if step is None else {"phase": 0, "step": step + 1})
-        assert_same_run(only_run(out / _name(method, zero, "")), resumed)
-        if step is not None:  # inside whole(): rank 0 held the weights and state whole, rank 1 nothing more
-            held = [json.loads((out / f"held-{method}-z{zero}" / f"rank{r}.json").read_text()) for r in (0, 1)]
+        assert_same_run(only_run(out / name), resumed)
+        if step is not None:  # inside whole(): rank 0 held the weights and state whole, rank 1 no state
+            held = [json.loads((out / f"held-{name}" / f"rank{r}.json").read_text()) for r in (0, 1)]
             assert all(held[0]["whole"]) and held[0]["state"] > 0, held[0]
-            assert not any(held[1]["whole"]) and held[1]["state"] == 0, held[1]
+            assert held[1]["state"] == 0, held[1]
+            if zero == 3:  # and only its partitions (ZeRO-2 keeps every weight whole on every rank)
+                assert not any(held[1]["whole"]), held[1]
 
 
 def test_cli_starts_its_ranks_and_only_rank_zero_speaks(trace_dir, tmp_path):
