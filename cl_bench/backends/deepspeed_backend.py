@@ -60,6 +60,20 @@ OFFLOAD = ("offload_optimizer", "offload_param")  # refused unless their device 
 REFUSED_SECTIONS = {"optimizer": "the method builds its optimiser (Method.make_optimizer)",
                     "scheduler": "methods keep a constant lr or schedule it themselves",
                     "fp16": "fp16 needs loss scaling, which the harness does not do; use bf16"}
+# Settings that change what a run computes while its record would not say so: each
+# refused where it is on (a true value, a section; torch_autocast: its "enabled"), naming why.
+REFUSED_SWITCHES = {
+    "torch_autocast": "the run's precision is deepspeed.bf16 (recorded); autocast would compute in bf16 "
+                      "under a record that says fp32",
+    "zero_optimization.cpu_offload": "the old name of offload_optimizer.device=cpu, not supported (below)",
+    "zero_optimization.cpu_offload_param": "the old name of offload_param.device=cpu, not supported",
+    "zero_optimization.zero_quantized_weights": "ZeRO++ quantises the weights it gathers (lossy)",
+    "zero_optimization.zero_quantized_nontrainable_weights": "ZeRO++ quantises the frozen weights (lossy)",
+    "zero_optimization.zero_quantized_gradients": "ZeRO++ quantises the gradients it reduces (lossy)",
+    "zero_optimization.zenflow": "ZenFlow updates some gradients asynchronously, after the step that made them",
+    "data_types": "gradients accumulate in the dtype DeepSpeed chooses for the training precision; another "
+                  "is untested with the methods' gradient edits (the ZeRO-2 gradient fragments)",
+}
 
 
 def free_port() -> int:
@@ -164,6 +178,20 @@ def ds_config(config: RunConfig, world_size: int, bf16: bool) -> dict[str, Any]:
     for key, why in REFUSED_SECTIONS.items():
         if key in base and (key != "fp16" or base[key].get("enabled") not in (False, None)):
             raise UserError(f"{where}: remove the '{key}' section: {why}")
+    for key, why in REFUSED_SWITCHES.items():
+        *parents, name = key.split(".")
+        value = base
+        for part in parents:
+            value = value.get(part) if isinstance(value, dict) else None
+        value = value.get(name) if isinstance(value, dict) else None
+        if key == "torch_autocast" and isinstance(value, dict):  # on only where "enabled" is true
+            value = value.get("enabled")
+        if value not in (None, False, {}):
+            raise UserError(f"{where}: {key}={json.dumps(value)}: {why}; remove it")
+    comm = str(base.get("communication_data_type") or "").lower()
+    if comm not in ("", "fp32", "bf16" if bf16 else "fp32"):
+        raise UserError(f"{where}: communication_data_type={comm!r} reduces gradients in a precision below "
+                        f"the run's ({'bf16' if bf16 else 'fp32'}); remove it")
     accumulation = max(1, -(-(t.batch_size // t.micro_batch_size) // world_size))
     # set by the harness from the run config; the file may repeat them only with the same value (or "auto")
     owned = {"train_micro_batch_size_per_gpu": t.micro_batch_size,

@@ -9,6 +9,7 @@ agree with the torch backend to rel 1e-5, the R matrix and every prediction exac
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,24 @@ def test_deepspeed_config_file_conflicts_name_the_key_and_the_fix(tmp_path):
         with pytest.raises(UserError, match=rf"zero_optimization.{key}.device='cpu': offload is not supported"):
             ds_config(config_with({"zero_optimization": {key: {"device": "cpu", "pin_memory": True}}}), 1, False)
         assert ds_config(config_with({"zero_optimization": {key: {"device": "none"}}}), 1, False)
+    # settings that would change the numbers under a record that does not say so (mutation
+    # caught: each refusal dropped, one at a time by its table entry)
+    for content, shown in [({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "torch_autocast=true"),
+                           ({"zero_optimization": {"cpu_offload": True}}, "zero_optimization.cpu_offload=true"),
+                           ({"zero_optimization": {"cpu_offload_param": True}}, "cpu_offload_param=true"),
+                           *(({"zero_optimization": {key: True}}, f"zero_optimization.{key}=true") for key in
+                             ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
+                              "zero_quantized_gradients")),
+                           ({"zero_optimization": {"zenflow": {"topk_ratio": 0.1}}}, "zero_optimization.zenflow="),
+                           ({"data_types": {"grad_accum_dtype": "fp32"}}, "data_types=")]:
+        with pytest.raises(UserError, match=re.escape(shown)):
+            ds_config(config_with(content), 1, False)
+    for bf16, comm in ((False, "bf16"), (True, "fp16")):
+        with pytest.raises(UserError, match=f"communication_data_type='{comm}' reduces gradients in a precision"):
+            ds_config(config_with({"communication_data_type": comm}), 1, bf16)
+    for content in ({"torch_autocast": {"enabled": False}}, {"zero_optimization": {"cpu_offload": False}},
+                    {"communication_data_type": "fp32"}):  # off, or no lower than the run's
+        assert ds_config(config_with(content), 1, True)
     built = ds_config(config_with({"train_batch_size": "auto", "zero_optimization": {"overlap_comm": True}},
                                   zero="3"), 1, False)
     assert built["zero_optimization"] == {"overlap_comm": True, "stage": 3}
