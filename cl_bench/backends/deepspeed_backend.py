@@ -345,6 +345,10 @@ class DeepSpeedBackend(Backend):
             engine.step()
             if clip > 0:
                 parts["grad_norm"] = float(engine.get_global_grad_norm())
+            elif getattr(engine.optimizer, "overflow", False):
+                # ZeRO (fp32) skips a step whose gradient is not finite, where torch's AdamW
+                # writes NaN weights and the next loss stops the run: stop it here
+                parts["grad_norm"] = float("inf")
 
         try:
             replayed = run_phase(method, stage, epochs, pad_id, self.config, backward, update, on_step,

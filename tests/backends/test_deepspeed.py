@@ -430,3 +430,30 @@ def test_a_live_build_is_waited_for_not_broken(tmp_path, monkeypatch, caplog):
         holder.wait(timeout=30)
     assert len(builder.loads) == 1 and "waiting for another process's build" in caplog.text
     assert "interrupted build" not in caplog.text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [2, 3])
+def test_a_non_finite_gradient_stops_the_run_without_clipping(trace_dir, tmp_path, monkeypatch, zero):
+    """train.grad_clip=0, and an infinite gradient at the first step: ZeRO (fp32) takes it
+    for an overflow and skips the step, where the torch backend's AdamW writes NaN weights
+    and the next loss stops the run as diverged; the deepspeed backend stops it as
+    diverged too (grad_norm inf; exit 2, the record failed). Mutation caught: the overflow
+    not reported (the deepspeed run completes, its first step silently skipped)."""
+    from cl_bench import registry
+
+    seqft = registry.get("seqft")
+
+    def poisoned(self, step):  # an infinite gradient on this rank's part of the first weight
+        if step == 0:
+            first = [p for p in self.model.parameters() if p.requires_grad][:1]
+            fragments = self.ctx.grads.fragments(first)
+            for f in fragments:
+                f.grad.fill_(float("inf"))
+            self.ctx.grads.write(fragments)
+
+    monkeypatch.setattr(seqft, "before_step", poisoned)
+    for name, backend in (("torch", []), ("deepspeed", deepspeed_args(tmp_path, zero))):
+        assert run_cli(*smoke_args(trace_dir, tmp_path / name, "--set", "train.grad_clip=0", *backend)) == 2, name
+        record = json.loads((only_run(tmp_path / name) / "run.json").read_text())
+        assert record["status"] == "failed" and "the run diverged" in record["error"], (name, record.get("error"))
