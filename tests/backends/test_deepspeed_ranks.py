@@ -3,7 +3,9 @@ methods on the smoke profile agree with the torch backend, and so do these varia
 ZeRO-2 with the paper config's overlap_comm and contiguous_gradients (ewc, same: the
 methods that edit a step's gradients), two micro-batches per rank (ogd at ZeRO-2, mofo
 at ZeRO-3), upcycle's shared=add at ZeRO-3 (a one-value parameter, padded to one value
-per rank), a model with tied embeddings (seqft at ZeRO-3, ewc at ZeRO-2); under
+per rank), a model with tied embeddings (seqft at ZeRO-3, ewc at ZeRO-2), care at
+ZeRO-3 with its small weights kept gathered (persistence threshold 5000: the anchor
+pull written through that copy too; mutation caught: that copy left alone); under
 deepspeed.bf16, ewc (ZeRO-3) and ogd (ZeRO-2) follow the torch backend's fp32 run;
 resume works (the flagship at ZeRO-2, upcycle at ZeRO-3, the flagship in-stage at
 ZeRO-3, where at the checkpoint rank 0 holds the weights and optimiser state whole and
@@ -85,7 +87,8 @@ RUNS = [(method, zero, "") for method in ("seqft", "lora", "upcycle", "ewc", "og
                                          "cluster-upcycle", "replay", "olora")
         for zero in (2, 3)] + [("ewc", 2, "overlap"), ("same", 2, "overlap"), ("ogd", 2, "acc2"),
                                ("mofo", 3, "acc2"), ("upcycle", 3, "add"), ("seqft", 3, "tied"),
-                               ("ewc", 2, "tied"), ("ewc", 3, "bf16"), ("ogd", 2, "bf16"), ("same", 2, "norefresh")]
+                               ("ewc", 2, "tied"), ("ewc", 3, "bf16"), ("ogd", 2, "bf16"), ("same", 2, "norefresh"),
+                               ("care", 3, "persist")]
 # (method, ZeRO stage, variant, step): interrupted in stage 2 and resumed: as it starts
 # (step None), the flagship (mask logits, its outer optimiser) at ZeRO-2 and upcycle at
 # ZeRO-3 (its added experts partitioned); or after its first step, checkpointed in-stage
@@ -107,13 +110,18 @@ ARGS = {"ewc": ["--method-arg", "lambda_ewc=1e6"],  # the penalty's gradient dom
 # tied: a tiny Llama whose head is its embedding matrix (tie_word_embeddings, as
 # Llama-3.2 and SmolLM2; written below): one weight with two readers, trained whole
 # (seqft, ZeRO-3) and its gradient edited on the ranks' fragments (ewc, ZeRO-2).
+# persist: ZeRO-3 keeps the weights of up to 5000 values gathered on every rank (the
+# norms, the attention's k and v: configs/deepspeed/paper.json keeps those up to 1e5),
+# so care's anchor pull on the masters reaches them through that copy too
+# (ZeroGradients.set_weights).
 # bf16: deepspeed.bf16 (DS_ONLY: the torch reference is the fp32 run), the gradient
 # edits on bf16 gradients split over the ranks; it follows the fp32 run within
 # helpers.assert_follows_fp32's bounds.
 VARIANTS = {"": [], "overlap": [], "acc2": ["--set", "train.batch_size=8"], "add": ["--method-arg", "shared=add"],
-            "tied": ["--model", "{out}/tied"], "bf16": [], "norefresh": ["--method-arg", "spectral_routing=false"]}
+            "tied": ["--model", "{out}/tied"], "bf16": [], "norefresh": ["--method-arg", "spectral_routing=false"],
+            "persist": []}
 DS_ONLY = {"bf16": ["--set", "deepspeed.bf16=true"]}
-CONFIGS = {"overlap": "overlap.json"}  # written below; small.json otherwise
+CONFIGS = {"overlap": "overlap.json", "persist": "persist.json"}  # written below; small.json otherwise
 # 4 test examples per task in generation batches of 3 and 1: rank 0 decodes the first
 # batch, rank 1 the second, and both get all predictions back.
 EVAL = ["--set", "eval.batch_size=3"]
@@ -197,6 +205,9 @@ def test_two_ranks_agree_with_one(tmp_path):
     small = json.loads(small_buckets(out).read_text())
     small["zero_optimization"].update(overlap_comm=True, contiguous_gradients=True)
     (out / "overlap.json").write_text(json.dumps(small))
+    persist = json.loads(small_buckets(out).read_text())
+    persist["zero_optimization"]["stage3_param_persistence_threshold"] = 5000
+    (out / "persist.json").write_text(json.dumps(persist))
     tied_tiny_llama(out / "tied")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_port", str(_port()), __file__, str(out)],
