@@ -56,7 +56,9 @@ class TrainConfig:
     truncation: str = "head_tail"  # head_tail: keep instruction + cue; left: TRACE's cut
     truncation_head: int = 64  # head_tail: prompt tokens kept from the start
     precision: str = "fp32"  # fp32 | bf16 (autocast, fp32 master weights and optimiser) | auto
-    #                          (bf16 where the device has native bf16 matrix support); cl_bench/run/precision.py
+    #                          (bf16 where the device has native bf16 matrix support); cl_bench/run/precision.py.
+    #                          The torch backend's; the deepspeed backend trains as deepspeed.bf16 says (it warns
+    #                          where this asks for bf16 and that does not give it)
     lr_by_family: dict[str, float] = field(default_factory=dict)  # learning rate of each method family
     #   (Method.lr_family: full, adapter, expert) where the method's lr is not given as an argument
     lr_schedule: str | None = None  # constant | cosine, over each training phase (cl_bench/run/schedule.py);

@@ -53,6 +53,7 @@ from cl_bench.config import RunConfig
 from cl_bench.errors import UserError
 from cl_bench.eval.generation import greedy_generate
 from cl_bench.method import Method, Stage
+from cl_bench.run.precision import native_bf16
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +253,12 @@ class DeepSpeedBackend(Backend):
         auto = device.type == "cuda" and torch.cuda.is_bf16_supported()
         self.ds_config = ds_config(config, self.world_size, auto if wanted is None else wanted)
         self.bf16 = self.ds_config["bf16"]["enabled"]
+        asked = config.train.precision
+        if not self.bf16 and self.rank == 0 and (asked == "bf16" or (asked == "auto" and native_bf16(device))):
+            log.warning("train.precision=%s would train in bf16 here, but the deepspeed backend trains in what "
+                        "deepspeed.bf16 says: fp32 now (%s); set deepspeed.bf16=true for bf16 (DeepSpeed's, "
+                        "the whole model in bf16, docs/running.md)", asked,
+                        "left null: bf16 on CUDA devices only" if wanted is None else "deepspeed.bf16=false")
 
     # ---- ranks ------------------------------------------------------------------
     def on_main(self, fn: Callable[[], Any]) -> Any:

@@ -9,6 +9,7 @@ agree with the torch backend to rel 1e-5, the R matrix and every prediction exac
 from __future__ import annotations
 
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -457,3 +458,18 @@ def test_a_non_finite_gradient_stops_the_run_without_clipping(trace_dir, tmp_pat
         assert run_cli(*smoke_args(trace_dir, tmp_path / name, "--set", "train.grad_clip=0", *backend)) == 2, name
         record = json.loads((only_run(tmp_path / name) / "run.json").read_text())
         assert record["status"] == "failed" and "the run diverged" in record["error"], (name, record.get("error"))
+
+
+@pytest.mark.slow
+def test_a_train_precision_the_engine_does_not_follow_is_said(trace_dir, tmp_path, caplog):
+    """The deepspeed backend trains in what deepspeed.bf16 says; train.precision=bf16
+    (or auto on a device with native bf16) under deepspeed.bf16 left null on a CPU
+    trains fp32, and a warning says so and how to get bf16; the record says fp32.
+    Mutation caught: the warning removed."""
+    out = tmp_path / "ds"
+    with caplog.at_level(logging.WARNING):
+        assert run_cli(*smoke_args(trace_dir, out, "--set", "train.precision=bf16", "--set", "eval.precision=fp32",
+                                   *deepspeed_args(tmp_path, 2))) == 0
+    said = [r.getMessage() for r in caplog.records if "deepspeed backend trains in what deepspeed.bf16" in r.getMessage()]
+    assert len(said) == 1 and "train.precision=bf16" in said[0] and "deepspeed.bf16=true" in said[0], said
+    assert json.loads((only_run(out) / "run.json").read_text())["backend"]["precision"]["train"] == "fp32"
