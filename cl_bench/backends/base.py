@@ -54,6 +54,12 @@ class Backend:
         one process they are whole already."""
         return contextlib.nullcontext()
 
+    def same_on_every_rank(self, label: str, fingerprint: Callable[[], dict]) -> None:
+        """On N ranks: stop the run where a rank's model or method state (`fingerprint()`,
+        cl_bench/run/agreement.py) differs from rank 0's other than by float rounding,
+        and warn where the float values drift apart; in one process there is nothing
+        to compare."""
+
     def generate(self, model, prompts: list[list[int]], max_new_tokens: int, eos_id: int, pad_id: int,
                  batch_size: int, on_batch: Callable[[int], None] | None = None) -> list[list[int]]:
         """Greedy continuations of every prompt (eval.generator: cl_bench.eval.generation, or

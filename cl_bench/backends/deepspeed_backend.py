@@ -53,9 +53,13 @@ from cl_bench.config import RunConfig
 from cl_bench.errors import UserError
 from cl_bench.eval.generation import greedy_generate
 from cl_bench.method import Method, Stage
+from cl_bench.run import agreement
 from cl_bench.run.precision import native_bf16
 
 log = logging.getLogger(__name__)
+
+# the parity tests' bound on a logged number between one rank and N (tests/helpers.py LOSS_RTOL)
+SPREAD_WARN = 1e-5
 
 OFFLOAD = ("offload_optimizer", "offload_param")  # refused unless their device is "none" (ds_config)
 REFUSED_SECTIONS = {"optimizer": "the method builds its optimiser (Method.make_optimizer)",
@@ -282,6 +286,19 @@ class DeepSpeedBackend(Backend):
 
     def barrier(self) -> None:
         torch.distributed.barrier()
+
+    def same_on_every_rank(self, label: str, fingerprint: Callable[[], dict]) -> None:
+        prints: list = [None] * self.world_size
+        torch.distributed.all_gather_object(prints, fingerprint())
+        spread, differ = agreement.compare(prints)  # the same on every rank: all stop together
+        if differ:
+            shown = ", ".join(differ[:4]) + (f" and {len(differ) - 4} more" if len(differ) > 4 else "")
+            raise UserError(f"{label}: the ranks' states differ ({shown}): they computed them apart (a "
+                            f"nondeterministic kernel?) and would train different models from here, so the run "
+                            f"stops; its last stage's checkpoint is kept")
+        if spread > SPREAD_WARN and self.is_main:
+            log.warning("%s: the ranks' float state differs by up to %.1e relative (a sum over one tensor); "
+                        "beyond %.0e the ranks' runs may part", label, spread, SPREAD_WARN)
 
     @property
     def train_precision(self) -> str:

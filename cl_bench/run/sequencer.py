@@ -23,6 +23,7 @@ import resource
 import time
 from typing import Any, Callable
 
+from cl_bench.run import agreement
 from cl_bench.run import checkpoint_shape
 from cl_bench.run import precision
 from cl_bench.run import progress
@@ -184,6 +185,7 @@ def _run_stage(run: Run, stage: Stage, stop: signals.Stop, at: checkpoint.InStag
         replayed += used
     method.after_task(stage)
     prune_optimizer(run.optimizer, method.model)  # parameters the method removed leave the optimiser
+    run.backend.same_on_every_rank(label, lambda: agreement.fingerprint(method.model, method.state_dict()))
     for task in stage.tasks:
         run.replay.add_task(task)
     train_s = time.perf_counter() - t0

@@ -11,7 +11,9 @@ resume works (the flagship at ZeRO-2, upcycle at ZeRO-3, the flagship in-stage a
 ZeRO-3, where at the checkpoint rank 0 holds the weights and optimiser state whole and
 rank 1 nothing more than its partitions); only rank 0 writes, logs and shows progress;
 care and same on 3 ranks, one running a padding copy; mofo on 3 ranks at ZeRO-3, where
-the ranks do not divide the weights' sizes.
+the ranks do not divide the weights' sizes; a rank whose state parts from rank 0's
+stops the run where it differs exactly and is warned of where a float drifts
+(Backend.same_on_every_rank; mutation caught: the comparison left out, both fail).
 
 Found by these runs: DeepSpeed's safe_set_full_fp32_param / _optimizer_state at ZeRO-3
 (0.19.8) read past a value's end on the last rank wherever the ranks do not divide a
@@ -163,6 +165,26 @@ def _ranks_main(out: Path) -> int:
         code = run_cli("run", "--resume", run_dir, "--no-progress")
         if code:
             return code
+    return _parted(trace, out, ds)
+
+
+def _parted(trace: Path, out: Path, ds) -> int:
+    """seqft's state (empty) given one more value at each stage's end, other on rank 1:
+    apart, an integer (the run stops at stage 1's end); drift, a float 1e-3 off (a
+    warning; the run goes on)."""
+    from cl_bench import registry
+
+    seqft = registry.get("seqft")
+    real = seqft.state_dict
+    values = {"apart": lambda r: torch.tensor([r]), "drift": lambda r: torch.tensor([1.0 + 1e-3 * r])}
+    for kind, value in values.items():
+        seqft.state_dict = lambda self, value=value: {**real(self), "x": value(torch.distributed.get_rank())}
+        try:
+            code = run_cli(*smoke_args(trace, out / f"parted-{kind}", "--method", "seqft", *ds(2)))
+        finally:
+            seqft.state_dict = real
+        if code != (2 if kind == "apart" else 0):
+            return 100 + code
     return 0
 
 
@@ -250,6 +272,14 @@ def test_two_ranks_agree_with_one(tmp_path):
             assert held[1]["state"] == 0, held[1]
             if zero == 3:  # and only its partitions (ZeRO-2 keeps every weight whole on every rank)
                 assert not any(held[1]["whole"]), held[1]
+    # a rank whose state parts from rank 0's (_parted): stopped where it differs exactly,
+    # warned where a float drifts (Backend.same_on_every_rank, cl_bench/run/agreement.py)
+    apart = json.loads((only_run(out / "parted-apart") / "run.json").read_text())
+    assert apart["status"] == "failed" and apart["stages_done"] == 0, apart["status"]
+    assert "stage 1/3 [NumGLUE-cm]: the ranks' states differ (rank 1: method.x)" in apart["error"], apart["error"]
+    drift = json.loads((only_run(out / "parted-drift") / "run.json").read_text())
+    assert drift["status"] == "complete"
+    assert (done.stdout + done.stderr).count("the ranks' float state differs by up to 1.0e-03 relative") == 3
 
 
 def test_cli_starts_its_ranks_and_only_rank_zero_speaks(trace_dir, tmp_path):

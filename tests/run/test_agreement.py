@@ -1,0 +1,33 @@
+"""cl_bench/run/agreement.py: what two ranks' fingerprints say of their states."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cl_bench.run.agreement import compare, fingerprint
+
+
+def _state(scale: float = 1.0, decision: int = 1, extra: dict | None = None):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.mul_(scale)
+    return fingerprint(model, {"fisher": [torch.ones(4) * scale], "decisions": torch.tensor([decision, 0]),
+                               "note": "x", "lr": 0.5, "object": object(), **(extra or {})})
+
+
+def test_equal_states_agree_exactly():
+    """Two fingerprints of the same state: no spread, nothing apart (an object is
+    compared by its type only: its repr holds an address)."""
+    assert compare([_state(), _state()]) == (0.0, [])
+
+
+def test_a_float_drift_is_a_spread_and_a_discrete_difference_is_named():
+    """Mutations caught: float entries compared exactly (the drift named as apart), an
+    integer tensor compared by its sum only (the decision missed), a key missing on one
+    rank left out."""
+    spread, apart = compare([_state(), _state(scale=1.001)])
+    assert apart == [] and 5e-4 < spread < 2e-3
+    assert compare([_state(), _state(decision=0)])[1] == ["rank 1: method.decisions"]
+    assert compare([_state(), _state(), _state(extra={"more": 1})])[1] == ["rank 2: method.more"]
+    assert compare([_state(), _state(extra={"lr": 0.25})])[0] == 0.5  # a plain float: relative to the larger
