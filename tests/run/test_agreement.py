@@ -31,3 +31,14 @@ def test_a_float_drift_is_a_spread_and_a_discrete_difference_is_named():
     assert compare([_state(), _state(decision=0)])[1] == ["rank 1: method.decisions"]
     assert compare([_state(), _state(), _state(extra={"more": 1})])[1] == ["rank 2: method.more"]
     assert compare([_state(), _state(extra={"lr": 0.25})])[0] == 0.5  # a plain float: relative to the larger
+
+
+def test_a_sum_near_zero_does_not_magnify_rounding():
+    """A tensor whose values cancel: a rounding-sized change is measured against its
+    magnitudes, not its sum. Mutation caught: the gap relative to the sum itself."""
+    values = torch.tensor([1.0, -1.0, 1e-6], dtype=torch.float64)
+    nudged = values + torch.tensor([1e-9, 0.0, 0.0], dtype=torch.float64)
+    spread, apart = compare([fingerprint(nn.Identity(), {"w": values}), fingerprint(nn.Identity(), {"w": nudged})])
+    assert apart == [] and spread < 1e-8
+    both_nan = {"w": torch.tensor([float("nan")])}
+    assert compare([fingerprint(nn.Identity(), both_nan), fingerprint(nn.Identity(), both_nan)]) == (0.0, [])
