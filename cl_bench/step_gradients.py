@@ -20,6 +20,7 @@ Between the last backward of a step and the optimiser step, `method.ctx.grads`
                        per parameter, a whole flat tensor from each rank's slice of
                        it (`values`: id(param) -> this rank's fragment-sized tensor):
                        what the ranks computed on their fragments, whole on every rank;
+    world_size, rank   how many ranks, and this one's (rank 0 writes checkpoints);
     all_reduce(t)      t summed over ranks, in place (one rank: t itself);
     all_gather(values) a list of this rank's values -> every rank's, concatenated
                        in rank order (statistics a loss kept of its micro-batches);
@@ -83,6 +84,7 @@ class StepGradients:
     """One process (the torch backend): every parameter whole, its `.grad` in place."""
 
     world_size = 1
+    rank = 0  # this process's rank (rank 0 writes records and checkpoints)
 
     def fragments(self, params: list[nn.Parameter], grad: bool = True) -> list[Fragment]:
         out = []

@@ -66,7 +66,8 @@ REFUSED_SECTIONS = {"optimizer": "the method builds its optimiser (Method.make_o
                     "scheduler": "methods keep a constant lr or schedule it themselves",
                     "fp16": "fp16 needs loss scaling, which the harness does not do; use bf16"}
 # Settings that change what a run computes while its record would not say so: each
-# refused where it is on (a true value, a section; torch_autocast: its "enabled"), naming why.
+# refused where it is on (a true value or a section; torch_autocast: its "enabled";
+# ZenFlow: any section, {} too, takes its defaults), naming why.
 REFUSED_SWITCHES = {
     "torch_autocast": "the run's precision is deepspeed.bf16 (recorded); autocast would compute in bf16 "
                       "under a record that says fp32",
@@ -191,12 +192,8 @@ def ds_config(config: RunConfig, world_size: int, bf16: bool) -> dict[str, Any]:
         value = value.get(name) if isinstance(value, dict) else None
         if key == "torch_autocast" and isinstance(value, dict):  # on only where "enabled" is true
             value = value.get("enabled")
-        if value not in (None, False, {}):
+        if value not in (None, False, {}) or (value == {} and name == "zenflow"):
             raise UserError(f"{where}: {key}={json.dumps(value)}: {why}; remove it")
-    comm = str(base.get("communication_data_type") or "").lower()
-    if comm not in ("", "fp32", "bf16" if bf16 else "fp32"):
-        raise UserError(f"{where}: communication_data_type={comm!r} reduces gradients in a precision below "
-                        f"the run's ({'bf16' if bf16 else 'fp32'}); remove it")
     accumulation = max(1, -(-(t.batch_size // t.micro_batch_size) // world_size))
     # set by the harness from the run config; the file may repeat them only with the same value (or "auto")
     owned = {"train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -224,6 +221,10 @@ def ds_config(config: RunConfig, world_size: int, bf16: bool) -> dict[str, Any]:
     file_bf16 = base.get("bf16", {}).get("enabled", "auto")
     if d.bf16 is None and file_bf16 not in ("auto", bf16):
         bf16 = bool(file_bf16)
+    comm = str(base.get("communication_data_type") or "").lower()
+    if comm not in ("", "fp32", "bf16" if bf16 else "fp32"):
+        raise UserError(f"{where}: communication_data_type={comm!r} reduces gradients in a precision below "
+                        f"the run's ({'bf16' if bf16 else 'fp32'}); remove it")
     return {"steps_per_print": 2 ** 31, **base, **owned, "zero_optimization": {**zero, "stage": d.zero},
             "bf16": {**base.get("bf16", {}), "enabled": bf16}}
 
@@ -260,9 +261,9 @@ class DeepSpeedBackend(Backend):
         asked = config.train.precision
         if not self.bf16 and self.rank == 0 and (asked == "bf16" or (asked == "auto" and native_bf16(device))):
             log.warning("train.precision=%s would train in bf16 here, but the deepspeed backend trains in what "
-                        "deepspeed.bf16 says: fp32 now (%s); set deepspeed.bf16=true for bf16 (DeepSpeed's, "
-                        "the whole model in bf16, docs/running.md)", asked,
-                        "left null: bf16 on CUDA devices only" if wanted is None else "deepspeed.bf16=false")
+                        "deepspeed.bf16 says (left null: the bf16 section of deepspeed.config, else bf16 on "
+                        "CUDA devices only): fp32 now; set deepspeed.bf16=true for bf16 (DeepSpeed's, the whole "
+                        "model in bf16, docs/running.md)", asked)
 
     # ---- ranks ------------------------------------------------------------------
     def on_main(self, fn: Callable[[], Any]) -> Any:
@@ -437,6 +438,7 @@ class ZeroGradients(StepGradients):
     def __init__(self, deepspeed, zero: int, apart):
         self.ds, self.zero, self.apart = deepspeed, zero, apart
         self.world_size = torch.distributed.get_world_size()
+        self.rank = torch.distributed.get_rank()
 
     def fragments(self, params: list[torch.nn.Parameter], grad: bool = True) -> list[Fragment]:
         part = self._zero3 if self.zero == 3 else self._zero2

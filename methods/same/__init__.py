@@ -288,11 +288,15 @@ class SAME(Method):
     # ---- records and resume -----------------------------------------------------------
     def before_checkpoint(self) -> None:
         """On N ranks the covariance tokens each rank added since the last merge are its
-        own: summed here for the checkpoint rank 0 writes (InputCovariance.hold)."""
+        own: summed here for the checkpoint rank 0 writes (InputCovariance.hold). In one
+        process they are in the covariance already."""
+        grads = self.ctx.grads
+        if grads.world_size == 1:
+            return
         device = device_of(self.model)
         for covs in self.covs:
             for cov in covs.values():
-                cov.hold(self.ctx.grads.all_reduce, device)
+                cov.hold(grads.all_reduce, device, keep=grads.rank == 0)
 
     def state_dict(self) -> dict[str, Any]:
         state = self._tables()

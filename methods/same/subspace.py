@@ -103,7 +103,9 @@ class InputCovariance:
     ranks each adds its own tokens to `fresh` (add(..., shared=True)); `merge` sums the
     ranks' fresh parts into the covariance, which every rank must call before reading it.
     An in-stage checkpoint between two merges holds the ranks' fresh parts summed
-    (`hold`, then state_dict), and a run resumed from it adds them at its next merge."""
+    (`hold`, then state_dict); a run resumed from it, on any number of ranks, adds them
+    to the covariance as it loads them (read only after the next merge, which the
+    uninterrupted run makes with them: equal up to float rounding)."""
 
     def __init__(self, dim: int):
         self.dim = dim
@@ -111,13 +113,13 @@ class InputCovariance:
         self.count = 0
         self.fresh: torch.Tensor | None = None  # this rank's tokens since the last merge (N ranks)
         self.fresh_count = 0
-        # every rank's fresh tokens summed, not merged yet: (sum, count), taken by hold() for
-        # a checkpoint, or loaded from one (the same on every rank)
+        # every rank's fresh tokens summed (sum on the host, count), taken by hold() on the
+        # rank that writes the checkpoint, dropped at the next add or merge
         self.held: tuple[torch.Tensor, int] | None = None
-        self.carried: tuple[torch.Tensor, int] | None = None
 
     def add(self, x: torch.Tensor, shared: bool = False) -> None:
         """x: (n, d) tokens; `shared`: this rank's share of the data (merge sums the shares)."""
+        self.held = None
         if not len(x):
             return
         x = x.float()
@@ -137,31 +139,29 @@ class InputCovariance:
             self.sum = self.sum.to(device)
         return self.sum
 
-    def _unmerged(self, all_reduce, device) -> tuple[torch.Tensor, int]:
-        """Every rank's fresh tokens summed (a collective), with those a checkpoint carried."""
+    def _summed_fresh(self, all_reduce, device) -> tuple[torch.Tensor, int]:
+        """Every rank's fresh tokens summed (a collective: every rank calls it, in order)."""
         fresh = self.fresh if self.fresh is not None else torch.zeros(self.dim, self.dim, device=device)
         both = torch.cat([fresh.reshape(-1), fresh.new_tensor([float(self.fresh_count)])])
         all_reduce(both)
-        total, n = both[:-1].view(self.dim, self.dim), int(both[-1])
-        if self.carried is not None:
-            total, n = total + self.carried[0].to(total.device), n + self.carried[1]
-        return total, n
+        return both[:-1].view(self.dim, self.dim), int(both[-1])
 
     def merge(self, all_reduce, device) -> None:
         """Every rank's fresh tokens into the covariance (`all_reduce` sums a tensor over
         the ranks in place; every rank calls this, in the same order)."""
-        total, n = self._unmerged(all_reduce, device)
+        total, n = self._summed_fresh(all_reduce, device)
         if n:
             self._total(total.device).add_(total)
             self.count += n
-        self.fresh, self.fresh_count, self.held, self.carried = None, 0, None, None
+        self.fresh, self.fresh_count, self.held = None, 0, None
 
-    def hold(self, all_reduce, device) -> None:
+    def hold(self, all_reduce, device, keep: bool) -> None:
         """Before an in-stage checkpoint (every rank, in the same order): every rank's
-        fresh tokens summed for state_dict, which rank 0 alone writes. Nothing the run
-        computes changes: fresh stays, to be merged as before."""
-        total, n = self._unmerged(all_reduce, device)
-        self.held = (total, n) if n else None
+        fresh tokens summed; the rank that writes the checkpoint (`keep`) holds them in
+        host memory for state_dict, the others nothing. Nothing the run computes
+        changes: fresh stays, to be merged as before."""
+        total, n = self._summed_fresh(all_reduce, device)
+        self.held = (total.to("cpu", copy=True), n) if keep and n else None
 
     def subspace(self, delta: float, max_rank: int) -> Subspace | None:
         return None if not self.count else top_subspace(self.sum / self.count, delta, max_rank)
@@ -172,4 +172,7 @@ class InputCovariance:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sum, self.count = state["sum"], state["count"]
         self.fresh, self.fresh_count, self.held = None, 0, None
-        self.carried = state.get("unmerged")
+        if "unmerged" in state:  # the ranks' tokens after the last merge (hold)
+            total, n = state["unmerged"]
+            self.sum = total.clone() if self.sum is None else self.sum + total.to(self.sum.device)
+            self.count += n

@@ -93,12 +93,18 @@ def test_deepspeed_config_file_conflicts_name_the_key_and_the_fix(tmp_path):
                              ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
                               "zero_quantized_gradients")),
                            ({"zero_optimization": {"zenflow": {"topk_ratio": 0.1}}}, "zero_optimization.zenflow="),
+                           ({"zero_optimization": {"zenflow": {}}}, "zero_optimization.zenflow={}"),  # its defaults
                            ({"data_types": {"grad_accum_dtype": "fp32"}}, "data_types=")]:
         with pytest.raises(UserError, match=re.escape(shown)):
             ds_config(config_with(content), 1, False)
     for bf16, comm in ((False, "bf16"), (True, "fp16")):
         with pytest.raises(UserError, match=f"communication_data_type='{comm}' reduces gradients in a precision"):
             ds_config(config_with({"communication_data_type": comm}), 1, bf16)
+    # against the precision the run trains in, the file's bf16 section included (mutation
+    # caught: the check before the file's bf16.enabled is read)
+    assert ds_config(config_with({"bf16": {"enabled": True}, "communication_data_type": "bf16"}), 1, False)
+    with pytest.raises(UserError, match="communication_data_type='bf16' reduces gradients in a precision"):
+        ds_config(config_with({"bf16": {"enabled": False}, "communication_data_type": "bf16"}), 1, True)
     for content in ({"torch_autocast": {"enabled": False}}, {"zero_optimization": {"cpu_offload": False}},
                     {"communication_data_type": "fp32"}):  # off, or no lower than the run's
         assert ds_config(config_with(content), 1, True)
@@ -463,13 +469,13 @@ def test_a_non_finite_gradient_stops_the_run_without_clipping(trace_dir, tmp_pat
 @pytest.mark.slow
 def test_a_train_precision_the_engine_does_not_follow_is_said(trace_dir, tmp_path, caplog):
     """The deepspeed backend trains in what deepspeed.bf16 says; train.precision=bf16
-    (or auto on a device with native bf16) under deepspeed.bf16 left null on a CPU
-    trains fp32, and a warning says so and how to get bf16; the record says fp32.
-    Mutation caught: the warning removed."""
+    (or auto on a device with native bf16) under deepspeed.bf16=false (pinned: left
+    null, a CUDA device would give bf16) trains fp32, and a warning says so and how to
+    get bf16; the record says fp32. Mutation caught: the warning removed."""
     out = tmp_path / "ds"
     with caplog.at_level(logging.WARNING):
         assert run_cli(*smoke_args(trace_dir, out, "--set", "train.precision=bf16", "--set", "eval.precision=fp32",
-                                   *deepspeed_args(tmp_path, 2))) == 0
+                                   "--set", "deepspeed.bf16=false", *deepspeed_args(tmp_path, 2))) == 0
     said = [r.getMessage() for r in caplog.records if "deepspeed backend trains in what deepspeed.bf16" in r.getMessage()]
     assert len(said) == 1 and "train.precision=bf16" in said[0] and "deepspeed.bf16=true" in said[0], said
     assert json.loads((only_run(out) / "run.json").read_text())["backend"]["precision"]["train"] == "fp32"

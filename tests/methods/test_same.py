@@ -20,7 +20,8 @@ from cl_bench.method import MethodContext, Stage
 from cl_bench.methods.same import SAMEArgs
 from cl_bench.models.loading import tiny_llama
 from cl_bench.models.params import schedule_report
-from cl_bench.methods.same.subspace import Subspace, damped_inverse, energy_rank, spectral_projection, top_subspace
+from cl_bench.methods.same.subspace import (InputCovariance, Subspace, damped_inverse, energy_rank,
+                                           spectral_projection, top_subspace)
 from helpers import make_method
 from same_setup import E, SIZE, batch, make, train_task, weights
 
@@ -314,3 +315,29 @@ def test_all_mechanisms_off_leave_gradients_and_experts_alone():
     assert raw.keys() == mapped.keys() and all(torch.equal(raw[n], mapped[n]) for n in raw)
     assert len(raw) == 2 * 3 * (1 + 2 * E)  # every expert and router has a gradient
     assert not any(lin.frozen.any() for _, _, lin in method._wrappers())
+
+
+def test_an_in_stage_checkpoint_on_two_ranks_keeps_both_ranks_unmerged_tokens():
+    """Two ranks' covariances, each with its own tokens since the last merge: hold sums
+    them (the all-reduce simulated), rank 0 keeps the sum for its checkpoint and rank 1
+    nothing; a run resumed from it, on any number of ranks, has every token in its
+    covariance, as one process adding them all would; the held sum goes at the next
+    add. Mutations caught: the unmerged sum not loaded (rank 1's tokens and rank 0's
+    lost), every rank keeping it, held kept past the next add."""
+    torch.manual_seed(0)
+    xs = [torch.randn(5, 4), torch.randn(3, 4)]
+    ranks = [InputCovariance(4), InputCovariance(4)]
+    for cov, x in zip(ranks, xs):
+        cov.add(x, shared=True)
+    part = [torch.cat([c.fresh.reshape(-1), c.fresh.new_tensor([float(c.fresh_count)])]) for c in ranks]
+    for r, cov in enumerate(ranks):
+        cov.hold(lambda t, r=r: t.add_(part[1 - r]), torch.device("cpu"), keep=r == 0)
+    assert "unmerged" not in ranks[1].state_dict() and ranks[0].held[0].device.type == "cpu"
+    resumed = InputCovariance(4)
+    resumed.load_state_dict(ranks[0].state_dict())
+    one = InputCovariance(4)
+    for x in xs:
+        one.add(x)
+    assert resumed.count == one.count == 8 and torch.allclose(resumed.sum, one.sum, atol=1e-6)
+    ranks[0].add(torch.randn(2, 4), shared=True)
+    assert ranks[0].held is None and "unmerged" not in ranks[0].state_dict()

@@ -40,5 +40,16 @@ def test_a_sum_near_zero_does_not_magnify_rounding():
     nudged = values + torch.tensor([1e-9, 0.0, 0.0], dtype=torch.float64)
     spread, apart = compare([fingerprint(nn.Identity(), {"w": values}), fingerprint(nn.Identity(), {"w": nudged})])
     assert apart == [] and spread < 1e-8
-    both_nan = {"w": torch.tensor([float("nan")])}
-    assert compare([fingerprint(nn.Identity(), both_nan), fingerprint(nn.Identity(), both_nan)]) == (0.0, [])
+
+
+def test_a_value_not_finite_on_one_rank_only_is_named():
+    """NaN or an infinity on both ranks agrees; on one rank only (or inf against -inf)
+    it is a difference that stops the run, not a drift. Mutation caught: non-finite
+    sums measured as a drift (inf against 1.0 gave no spread and nothing named)."""
+    prints = {name: fingerprint(nn.Identity(), {"w": torch.tensor([value])})
+              for name, value in (("one", 1.0), ("nan", float("nan")), ("inf", float("inf")),
+                                  ("-inf", float("-inf")))}
+    for same in ("nan", "inf"):
+        assert compare([prints[same], prints[same]]) == (0.0, [])
+    for a, b in (("one", "inf"), ("one", "nan"), ("inf", "-inf")):
+        assert compare([prints[a], prints[b]]) == (0.0, ["rank 1: method.w"]), (a, b)
