@@ -65,20 +65,32 @@ OFFLOAD = ("offload_optimizer", "offload_param")  # refused unless their device 
 REFUSED_SECTIONS = {"optimizer": "the method builds its optimiser (Method.make_optimizer)",
                     "scheduler": "methods keep a constant lr or schedule it themselves",
                     "fp16": "fp16 needs loss scaling, which the harness does not do; use bf16"}
-# Settings that change what a run computes while its record would not say so: each
-# refused where it is on (a true value or a section; torch_autocast: its "enabled";
-# ZenFlow: any section, {} too, takes its defaults), naming why.
+# Settings that change what a run computes while its record would not say so: (why, when
+# the value at that key turns it on), each refused where it is on.
+def _is_set(v) -> bool:
+    return v not in (None, False, {})
+
+
+def _is_enabled(v) -> bool:  # a section switched by its "enabled" (DeepSpeed's default: off)
+    return bool(v.get("enabled")) if isinstance(v, dict) else _is_set(v)
+
+
+def _is_present(v) -> bool:  # a section, {} too: DeepSpeed turns it on with its defaults
+    return v is not None and v is not False
+
+
 REFUSED_SWITCHES = {
-    "torch_autocast": "the run's precision is deepspeed.bf16 (recorded); autocast would compute in bf16 "
-                      "under a record that says fp32",
-    "zero_optimization.cpu_offload": "the old name of offload_optimizer.device=cpu, not supported (below)",
-    "zero_optimization.cpu_offload_param": "the old name of offload_param.device=cpu, not supported",
-    "zero_optimization.zero_quantized_weights": "ZeRO++ quantises the weights it gathers (lossy)",
-    "zero_optimization.zero_quantized_nontrainable_weights": "ZeRO++ quantises the frozen weights (lossy)",
-    "zero_optimization.zero_quantized_gradients": "ZeRO++ quantises the gradients it reduces (lossy)",
-    "zero_optimization.zenflow": "ZenFlow updates some gradients asynchronously, after the step that made them",
-    "data_types": "gradients accumulate in the dtype DeepSpeed chooses for the training precision; another "
-                  "is untested with the methods' gradient edits (the ZeRO-2 gradient fragments)",
+    "torch_autocast": ("the run's precision is deepspeed.bf16 (recorded); autocast would compute in bf16 "
+                       "under a record that says fp32", _is_enabled),
+    "zero_optimization.cpu_offload": ("the old name of offload_optimizer.device=cpu, not supported (below)", _is_set),
+    "zero_optimization.cpu_offload_param": ("the old name of offload_param.device=cpu, not supported", _is_set),
+    "zero_optimization.zero_quantized_weights": ("ZeRO++ quantises the weights it gathers (lossy)", _is_set),
+    "zero_optimization.zero_quantized_nontrainable_weights": ("ZeRO++ quantises the frozen weights (lossy)", _is_set),
+    "zero_optimization.zero_quantized_gradients": ("ZeRO++ quantises the gradients it reduces (lossy)", _is_set),
+    "zero_optimization.zenflow": ("ZenFlow updates some gradients asynchronously, after the step that made "
+                                  "them", _is_present),
+    "data_types": ("gradients accumulate in the dtype DeepSpeed chooses for the training precision; another is "
+                   "untested with the methods' gradient edits (the ZeRO-2 gradient fragments)", _is_set),
 }
 
 
@@ -184,15 +196,11 @@ def ds_config(config: RunConfig, world_size: int, bf16: bool) -> dict[str, Any]:
     for key, why in REFUSED_SECTIONS.items():
         if key in base and (key != "fp16" or base[key].get("enabled") not in (False, None)):
             raise UserError(f"{where}: remove the '{key}' section: {why}")
-    for key, why in REFUSED_SWITCHES.items():
-        *parents, name = key.split(".")
+    for key, (why, on) in REFUSED_SWITCHES.items():
         value = base
-        for part in parents:
+        for part in key.split("."):
             value = value.get(part) if isinstance(value, dict) else None
-        value = value.get(name) if isinstance(value, dict) else None
-        if key == "torch_autocast" and isinstance(value, dict):  # on only where "enabled" is true
-            value = value.get("enabled")
-        if value not in (None, False, {}) or (value == {} and name == "zenflow"):
+        if on(value):
             raise UserError(f"{where}: {key}={json.dumps(value)}: {why}; remove it")
     accumulation = max(1, -(-(t.batch_size // t.micro_batch_size) // world_size))
     # set by the harness from the run config; the file may repeat them only with the same value (or "auto")

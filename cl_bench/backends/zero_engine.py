@@ -420,7 +420,7 @@ class ZeroPhase:
         """Put back the F.linear this phase found (ZeRO-3 replaced it for the process)."""
         torch.nn.functional.linear = self._linear
 
-    def _read_state(self, keep: bool = True) -> dict[nn.Parameter, dict[str, Any]]:
+    def _read_state(self, keep: bool) -> dict[nn.Parameter, dict[str, Any]]:
         """Each trainable parameter's optimiser state, whole, in host memory (collective);
         keep False: only take part, return nothing."""
         inner = self.engine.optimizer.optimizer

@@ -86,7 +86,7 @@ def test_deepspeed_config_file_conflicts_name_the_key_and_the_fix(tmp_path):
         assert ds_config(config_with({"zero_optimization": {key: {"device": "none"}}}), 1, False)
     # settings that would change the numbers under a record that does not say so (mutation
     # caught: each refusal dropped, one at a time by its table entry)
-    for content, shown in [({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "torch_autocast=true"),
+    for content, shown in [({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, 'torch_autocast={"enabled": true'),
                            ({"zero_optimization": {"cpu_offload": True}}, "zero_optimization.cpu_offload=true"),
                            ({"zero_optimization": {"cpu_offload_param": True}}, "cpu_offload_param=true"),
                            *(({"zero_optimization": {key: True}}, f"zero_optimization.{key}=true") for key in
