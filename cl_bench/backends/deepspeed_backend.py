@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
+import importlib
 import json
 import logging
 import os
@@ -115,6 +117,35 @@ def _init_distributed(deepspeed, timeout: timedelta) -> None:
         os.environ.setdefault("LOCAL_RANK", "0")  # the engine asserts it is set
         deepspeed.init_distributed(auto_mpi_discovery=False, init_method=f"tcp://127.0.0.1:{free_port()}",
                                    rank=0, world_size=1, timeout=timeout)
+
+
+def _count_local_ranks() -> None:
+    """LOCAL_SIZE, the ranks on this machine, as DeepSpeed's own launcher sets it: torchrun's
+    LOCAL_WORLD_SIZE, 1 for a one-rank group, else the launcher's. Without it DeepSpeed's
+    CPU accelerator counts its devices by running `numactl --hardware`, at every ZeRO-3
+    gradient reduction: 252 processes started in a smoke run. Set after the process
+    group exists: the CPU all-reduce op reads it once, at init, to choose its
+    shared-memory path, and that choice stays the launcher's."""
+    if torch.cuda.is_available():
+        return
+    local = os.environ.get("LOCAL_WORLD_SIZE") or ("1" if torch.distributed.get_world_size() == 1 else None)
+    if local is not None:
+        os.environ["LOCAL_SIZE"] = local
+
+
+def _freeze_what_lives() -> None:
+    """Set what this process holds now (the modules torch, transformers and DeepSpeed
+    imported: hundreds of thousands of objects) aside from the cyclic garbage
+    collector, once the garbage is gone. Every phase ends with a full collection
+    (ZeroPhase.close: the engine's buffers sit in reference cycles) and ZeRO-3's engine
+    starts with one (DeepSpeed's defragment), and each walked all of them: 0.6 s a
+    collection, half of a smoke run's time. Called before data and model load, so
+    neither is set aside: a model sits in reference cycles too, and a module a method
+    replaces must still be freed."""
+    with contextlib.suppress(ImportError):  # what every engine's start imports (torch.compile's stack), first
+        importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")
+    gc.collect()
+    gc.freeze()
 
 
 CPU_COMM_OP = "ShareMemCommBuilder"  # DeepSpeed's CPU all-reduce, built at its TorchBackend's init
@@ -249,6 +280,8 @@ class DeepSpeedBackend(Backend):
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
         self.ds = deepspeed
         _init_distributed(deepspeed, timedelta(minutes=int(os.environ.get("CL_BENCH_DIST_TIMEOUT_MIN", 30))))
+        _freeze_what_lives()
+        _count_local_ranks()
         dist = torch.distributed
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         if torch.cuda.is_available():

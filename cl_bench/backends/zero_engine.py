@@ -78,6 +78,30 @@ def _state_keys(make_optimizer, group: dict[str, Any]) -> list[str]:
     return sorted(k for k, v in optimizer.state[probe].items() if torch.is_tensor(v) and v.shape == probe.shape)
 
 
+def _forget_released_modules(top: nn.Module) -> None:
+    """Let go of what DeepSpeed's ZeRO-3 keeps past an engine's destroy() (0.19.8):
+    its parameter coordinator memoises __params_to_release in an unbounded
+    functools.lru_cache on the class, keyed by (coordinator, submodule, step), and
+    parameter_offload pushes each engine's top module onto its module-level
+    FWD_MODULE_STACK and never pops it (that module's attributes lead to its
+    coordinator). Either kept every phase's coordinator and every module the phase
+    ran alive for the process: a module a method replaces between phases (the
+    flagship's supernets, at 7B most of a layer) was never freed. Between phases no
+    engine lives, so neither is needed. The memo is reached through the closure of
+    DeepSpeed's NVTX wrapper; a DeepSpeed without either has nothing to let go of."""
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", [])
+    stack[:] = [m for m in stack if m is not top]
+    fn = vars(PartitionedParameterCoordinator).get("_PartitionedParameterCoordinator__params_to_release")
+    while fn is not None and not hasattr(fn, "cache_clear"):
+        inner = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if callable(c.cell_contents)]
+        fn = inner[0] if inner else None
+    if fn is not None:
+        fn.cache_clear()
+
+
 def zero3_leaves(model: nn.Module) -> list[nn.Module]:
     """Modules ZeRO-3 must gather whole before their forward: the reader
     (forward_readers) of each module that holds parameters but has no forward (an MoE
@@ -397,6 +421,7 @@ class ZeroPhase:
         if self._bind is not None:
             self._bind(None)  # between phases the optimiser is an ordinary one again
         self.engine.destroy()
+        _forget_released_modules(self.engine.module)
         self.restore_linear()
         # The engine's __del__ calls destroy() again when it is collected, which would
         # unlink the parameters from whatever engine holds them by then: drop its optimiser.

@@ -6,6 +6,7 @@ test_campaign_slurm.py)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -375,6 +376,28 @@ def test_a_records_seconds_scale_by_its_machines_rate_over_this_ones(tmp_path, r
     assert timings.rates("seqft", at).step_s == fast.step_s
     assert rate_here == [("bf16", 1, (1024, 576, 1536)), ("fp32", 1, (1024, 576, 1536))]
     assert torch.get_num_threads() == 2
+
+
+def test_a_process_parses_each_record_once_while_it_is_unchanged(tmp_path, monkeypatch):
+    """Every run's start estimates from the records (18 MB committed): a second estimate
+    in the same process parses no unchanged record, keeps only the fields estimates
+    read, and reads a record rewritten since anew; a file that is JSON but no object is
+    skipped. Mutations caught: no cache (every record parsed again); the file's stamp
+    not compared (the rewritten record's old seconds)."""
+    _record(tmp_path, "a", "seqft", [1.0, 2.0], 0.01, probes={"big": [0.0] * 100})
+    _record(tmp_path, "b", "lora", [1.0, 2.0], 0.01)
+    (tmp_path / "list").mkdir()
+    (tmp_path / "list" / "run.json").write_text("[]")
+    parsed = []
+    loads = json.loads
+    monkeypatch.setattr(estimate.json, "loads", lambda text: parsed.append(1) or loads(text))
+    at = ("m", "bf16", 8, 4, 256, 96, "trace")
+    assert estimate.Timings(tmp_path).rates("seqft", at).step_s == {"A": 1.0, "B": 2.0} and len(parsed) == 3
+    assert "probes" not in estimate._read(tmp_path / "a" / "run.json")
+    assert estimate.Timings(tmp_path).rates("seqft", at).step_s == {"A": 1.0, "B": 2.0} and len(parsed) == 3
+    shutil.rmtree(tmp_path / "a")
+    _record(tmp_path, "a", "seqft", [3.0, 4.0], 0.01)  # rewritten: another size and time
+    assert estimate.Timings(tmp_path).rates("seqft", at).step_s == {"A": 3.0, "B": 4.0} and len(parsed) == 4
 
 
 def test_a_method_measured_on_a_named_machine_leaves_its_unrecorded_records_out(tmp_path, rate_here):

@@ -26,7 +26,10 @@ records that name one are probes on an AVX2 EPYC, not these runs). So are those 
 bf16 on a CPU without native bf16, where the product is emulated, far too slow to
 time (and the campaign refuses bf16 there). `Timings.scale_line()` says what was used.
 A run's own estimate at its start (`for_run`) reads the same records: its campaign's
-(`records_for_run`), else its checkout's.
+(`records_for_run`), else its checkout's. A process reads each record file once while
+it is unchanged, and keeps only the fields estimates use (`_read`): the committed
+records are 18 MB of JSON, most of it probes, and parsing them took 0.5 s at every
+run's start, a quarter of a smoke run in a process that makes many (the tests).
 """
 from __future__ import annotations
 
@@ -68,6 +71,23 @@ class Rates:
 
     def step(self, task: str) -> float:
         return self.step_s.get(task, mean(self.step_s.values()))
+
+
+# The fields of a run record that estimates read; by path, the file's (mtime_ns, size) and
+# those fields (None: not a JSON object), parsed once a process while the file is unchanged
+ESTIMATED_FROM = ("status", "config", "backend", "method", "timing", "stages", "task_metrics", "machine", "resumes")
+_READ: dict[Path, tuple[tuple[int, int], dict | None]] = {}
+
+
+def _read(path: Path) -> dict | None:
+    """`path`'s record, the fields of ESTIMATED_FROM it has (ValueError: not JSON)."""
+    stat = path.stat()
+    stamp = (stat.st_mtime_ns, stat.st_size)
+    if path not in _READ or _READ[path][0] != stamp:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        _READ[path] = stamp, ({k: record[k] for k in ESTIMATED_FROM if k in record}
+                              if isinstance(record, dict) else None)
+    return _READ[path][1]
 
 
 def _stage_machines(record: dict) -> list[dict | None]:
@@ -125,8 +145,8 @@ class Timings:
         root = root or folder
         for path in sorted(folder.rglob(results.RUN_FILE)) if folder.is_dir() else []:
             try:
-                record = json.loads(path.read_text(encoding="utf-8"))
-                if record.get("status") != "complete" or not record.get("config"):
+                record = _read(path)
+                if record is None or record.get("status") != "complete" or not record.get("config"):
                     continue
                 trained = ((record.get("backend") or {}).get("precision") or {}).get("train", "fp32")
                 rates = _record_rates(record, path.parent.relative_to(root) if path.is_relative_to(root)
