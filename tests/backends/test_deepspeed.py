@@ -481,7 +481,6 @@ def test_a_train_precision_the_engine_does_not_follow_is_said(trace_dir, tmp_pat
     assert json.loads((only_run(out) / "run.json").read_text())["backend"]["precision"]["train"] == "fp32"
 
 
-
 @pytest.mark.slow
 def test_phases_free_what_they_drop_and_walk_only_what_the_run_made(trace_dir, tmp_path, monkeypatch):
     """btx at ZeRO-3 (its branches replaced by the merged experts between phases):
