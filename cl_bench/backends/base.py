@@ -47,11 +47,11 @@ class Backend:
     def barrier(self) -> None:
         """Wait until every rank gets here."""
 
-    def whole(self) -> contextlib.AbstractContextManager:
-        """Inside, between two steps of a phase: on rank 0 the method's model and
-        optimiser hold whole weights and state, as between phases (the in-stage
-        checkpoint rank 0 writes reads them there). Every rank enters it together. In
-        one process they are whole already."""
+    def whole(self, optimizer: torch.optim.Optimizer | None) -> contextlib.AbstractContextManager:
+        """Inside, between two steps of a phase or between phases: on rank 0 the method's
+        model and `optimizer` (the run's) hold whole weights and state, as the
+        checkpoint rank 0 writes there reads them. Every rank enters it together. In one
+        process they are whole already."""
         return contextlib.nullcontext()
 
     def same_on_every_rank(self, label: str, fingerprint: Callable[[], dict]) -> None:

@@ -16,8 +16,10 @@ the engine's.
 
 The engine lives for one training phase (zero_engine.ZeroPhase): between phases
 the model is an ordinary module with full weights on every rank, so hooks,
-evaluation and checkpoints are the torch backend's. Evaluation splits each
-task's generation batches over the ranks and gathers the continuations.
+evaluation and checkpoints are the torch backend's (at ZeRO-3 each rank keeps only
+its piece of the optimiser's moments, gathered onto rank 0 for a checkpoint).
+Evaluation splits each task's generation batches over the ranks and gathers the
+continuations.
 
 Precision: bf16 on CUDA devices that support it, fp32 elsewhere, unless
 deepspeed.bf16 says otherwise: the engine computes in bf16 with fp32 master
@@ -50,7 +52,7 @@ import yaml
 from cl_bench.backends.base import Backend
 from cl_bench.step_gradients import Fragment, StepGradients
 from cl_bench.backends.loop import Job, StepCallback, run_phase, seeded
-from cl_bench.backends.zero_engine import ZeroPhase
+from cl_bench.backends.zero_engine import ZeroPhase, whole_state
 from cl_bench.config import RunConfig
 from cl_bench.errors import UserError
 from cl_bench.eval.generation import greedy_generate
@@ -428,11 +430,19 @@ class DeepSpeedBackend(Backend):
         phase.close()
         return replayed
 
-    def whole(self) -> contextlib.AbstractContextManager:
-        """Inside a phase: the weights and optimiser state gathered from the engine onto
-        rank 0, the rank that writes checkpoints (ZeroPhase.whole; the other ranks only
-        take part); between phases the model is whole already."""
-        return self._phase.whole(keep=self.is_main) if self._phase is not None else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def whole(self, optimizer: torch.optim.Optimizer | None):
+        """The weights and optimiser state whole on rank 0, the rank that writes
+        checkpoints; the other ranks only take part. Inside a phase, what the engine
+        holds is gathered (ZeroPhase.whole). Between phases the model is whole already,
+        but at ZeRO-3 the state is cut into Pieces: zero_engine.whole_state gathers
+        those, in a phase too (a parameter outside it)."""
+        with contextlib.ExitStack() as stack:
+            if self._phase is not None:
+                stack.enter_context(self._phase.whole(keep=self.is_main))
+            if optimizer is not None:
+                stack.enter_context(whole_state(optimizer, self.device, keep=self.is_main))
+            yield
 
     def _share(self, jobs: list[Job], replay_everywhere: bool = False) -> list[tuple[int, Job]]:
         """This rank's (index, job) pairs: jobs r, r + N, ... of the step, padded with

@@ -2,9 +2,10 @@
 
 Between phases the method's model is an ordinary torch module holding full
 weights (fp32, as loaded) on every rank, and the method's optimiser an ordinary
-torch optimiser whose state holds full per-parameter tensors (on the CPU). So
-every hook outside training (before_task adding experts or LoRA pairs, after_task,
-evaluation, checkpoints, resume) sees what it sees on the torch backend.
+torch optimiser whose state holds per-parameter tensors in host memory (whole,
+except at ZeRO-3: below). So every hook outside training (before_task adding experts
+or LoRA pairs, after_task, evaluation, checkpoints, resume) sees the model and the
+optimiser's parameters as on the torch backend, and checkpoints the state too.
 
 `ZeroPhase(...)` builds an engine over the model and the parameters the
 optimiser trains (which may be new since the last phase: that is how added
@@ -12,6 +13,18 @@ experts, branches and LoRA pairs get trained), carrying over the optimiser state
 (Adam's moments and step) and the fp32 values of the weights; `close()` gathers
 them back (ZeRO-3: every weight is re-assembled on every rank), destroys the
 engine and strips what DeepSpeed added to the modules and parameters.
+
+At ZeRO-3 a parameter's per-value optimiser state (Adam's two moments, twice the
+fp32 weights) stays cut between phases. Each rank keeps its own partition of each
+tensor in host memory (a `Piece`), so a rank holds 1/N of the state, not all of it
+(at 7B on 8 ranks about 7 GB, not 56; after `--resume` every rank holds the
+checkpoint's whole state until its first phase starts). A piece goes straight back
+into the next phase's engine (same ranks, same padded size), and the whole tensor
+is assembled only where a checkpoint needs it: `whole_state`, on the rank that
+writes, one value at a time (no hook reads a moment; one that did would need it
+whole there too).
+ZeRO-2 keeps whole state between phases: its partitions are ranges of a flat group
+that move whenever the group's parameters change.
 
 A parameter no micro-batch of a step reached (Method.idle_parameters) gets zeros from
 ZeRO, where torch's AdamW would skip it: each group of Method.idle_units becomes a
@@ -29,7 +42,8 @@ layout (`bind_zero_layout`, cl_bench/step_gradients.py's ZeroLayout); the
 handles of ZeRO-3's leaf-module reduction hooks (`_leaf_module_hooks`), which
 `apart()` takes off the modules for a gradient outside the step; everything
 else goes through deepspeed.utils (safe_get_full_*, safe_set_full_* at ZeRO-2 and
-safe_set_local_* at ZeRO-3 (_set_full), set_z3_leaf_module) and
+safe_set_local_* at ZeRO-3 (_set_full), safe_get_local_optimizer_state (close() at
+ZeRO-3), set_z3_leaf_module) and
 deepspeed.zero.GatheredParameters.
 """
 from __future__ import annotations
@@ -66,6 +80,61 @@ class LossForward(nn.Module):
         zero = torch.stack([p.reshape(-1)[0].float() for p in self._anchors]).sum() * 0.0 if self._anchors else None
         loss, parts = loss_fn(batch, step)
         return (loss if zero is None else loss + zero.to(loss.dtype)), parts
+
+
+@dataclass
+class Piece:
+    """Between phases, at ZeRO-3: this rank's partition of one per-value optimiser-state
+    tensor, in host memory, as ZeRO-3 cuts it: the flattened tensor's values
+    rank x size on, zeros past its end (module docstring)."""
+
+    value: torch.Tensor  # flat, the padded partition's size
+    shape: torch.Size  # the whole tensor's
+    rank: int
+    ranks: int
+
+
+def _per_value(v, p: nn.Parameter) -> bool:
+    """Whether optimiser-state entry v holds one number per value of p (Adam's moments)."""
+    return isinstance(v, Piece) or (torch.is_tensor(v) and v.shape == p.shape)
+
+
+@contextlib.contextmanager
+def whole_state(optimizer: torch.optim.Optimizer, device: torch.device, keep: bool):
+    """Inside: on the rank that keeps (rank 0, the one that writes checkpoints) the
+    optimiser's state holds every Piece's whole tensor (host memory); after, the
+    pieces again. Collective: every rank enters it, with the same parameters in the
+    same order; each value is gathered on its own (through `device`: NCCL moves device
+    tensors only), and the other ranks hold nothing more."""
+    if keep and torch.distributed.get_rank() != 0:
+        raise RuntimeError("whole_state: only rank 0 can keep the gathered state")
+    held: list[tuple[dict, str, int, int]] = []  # (state, key, piece size, ranks): cut again after
+    try:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p, {})
+                for key in sorted(k for k, v in state.items() if isinstance(v, Piece)):
+                    piece = state[key]
+                    mine = piece.value.to(device)
+                    flat = mine.new_empty(mine.numel() * piece.ranks) if keep else None
+                    torch.distributed.gather(mine, list(flat.chunk(piece.ranks)) if keep else None, dst=0)
+                    if keep:  # in the piece's place, so rank 0 holds the whole state once, not once and a half
+                        state[key] = flat[:piece.shape.numel()].reshape(piece.shape).cpu()
+                        held.append((state, key, mine.numel(), piece.ranks))
+                    del piece, mine, flat
+        yield
+    finally:
+        for state, key, size, ranks in held:
+            state[key] = Piece(_cut(state[key], 0, size), state[key].shape, 0, ranks)
+
+
+def _cut(value: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank `rank`'s ZeRO-3 partition of `value` (flattened, fp32): values rank x size
+    on, zeros past its end."""
+    piece = torch.zeros(size, dtype=torch.float32)
+    mine = value.detach().reshape(-1)[rank * size:(rank + 1) * size]
+    piece[:mine.numel()] = mine
+    return piece
 
 
 def _state_keys(make_optimizer, group: dict[str, Any]) -> list[str]:
@@ -162,7 +231,7 @@ class ZeroPhase:
         self._idle: set[int] = set()  # ids of the param groups idle in this step (skip)
         state = optimizer.state
         self._tensor_keys = sorted({k for p in self.trainable for k, v in state.get(p, {}).items()
-                                    if torch.is_tensor(v) and v.shape == p.shape})
+                                    if _per_value(v, p)})
         if idle_units and not self._tensor_keys:
             # a group idle at its first step must still find its state (ZeRO-2 links each
             # parameter's view of it once, at the first step of any group): seed it all
@@ -210,8 +279,7 @@ class ZeroPhase:
             for p in group["params"]:
                 if not p.requires_grad:
                     continue
-                scalars = {k: v for k, v in self.optimizer.state.get(p, {}).items()
-                           if not (torch.is_tensor(v) and v.shape == p.shape)}
+                scalars = {k: v for k, v in self.optimizer.state.get(p, {}).items() if not _per_value(v, p)}
                 unit = self._unit_of.get(p)
                 key = (unit, *sorted((k, float(v) if torch.is_tensor(v) or isinstance(v, (int, float)) else repr(v))
                                      for k, v in scalars.items()))
@@ -281,24 +349,31 @@ class ZeroPhase:
                 if key in carried.get(p, {}):
                     self._set_full(p, carried[p][key], key)
 
-    def _set_full(self, p: nn.Parameter, value: torch.Tensor, key: str | None = None) -> None:
+    def _set_full(self, p: nn.Parameter, value: torch.Tensor | Piece, key: str | None = None) -> None:
         """Parameter p's fp32 master (key None) or optimiser state `key`, from its full
-        value. ZeRO-3 through the local API, this rank's piece padded with zeros:
-        DeepSpeed's safe_set_full_* (0.19.8, stage3.set_full_hp_param) cuts the value in
-        partitions of the padded size and reads past its end on the last rank wherever
-        the ranks do not divide p's size (3 ranks, or a one-value parameter on 2)."""
+        value or (state, ZeRO-3) this rank's Piece of it. ZeRO-3 through the local API,
+        this rank's piece padded with zeros: DeepSpeed's safe_set_full_* (0.19.8,
+        stage3.set_full_hp_param) cuts the value in partitions of the padded size and
+        reads past its end on the last rank wherever the ranks do not divide p's size
+        (3 ranks, or a one-value parameter on 2)."""
         utils = self.ds.utils
+        if isinstance(value, Piece):
+            where = (torch.distributed.get_rank(), torch.distributed.get_world_size())
+            if (self.zero != 3 or (value.rank, value.ranks) != where or value.shape != self._shape_of[p]
+                    or value.value.numel() != p.ds_tensor.numel()):
+                raise RuntimeError(f"optimiser state {key!r}: a piece of rank {value.rank} of {value.ranks} "
+                                   f"({value.value.numel()} values) does not fit rank {where[0]} of {where[1]} "
+                                   f"at ZeRO-{self.zero}: the parameter changed between phases")
+            utils.safe_set_local_optimizer_state(p, value.value, key)
+            return
         if self.zero != 3:
             if key is None:
                 utils.safe_set_full_fp32_param(p, value)
             else:
                 utils.safe_set_full_optimizer_state(p, value, key)
             return
-        size = p.ds_tensor.numel()  # every rank's partition, the last one's padding included
-        start = torch.distributed.get_rank() * size
-        piece = torch.zeros(size, dtype=torch.float32)
-        mine = value.detach().reshape(-1)[start:start + size]
-        piece[:mine.numel()] = mine
+        # every rank's partition has ds_tensor's size, the last one's padding included
+        piece = _cut(value, torch.distributed.get_rank(), p.ds_tensor.numel())
         if key is None:
             utils.safe_set_local_fp32_param(p, piece)
         else:
@@ -370,20 +445,21 @@ class ZeroPhase:
                 hooks.update({key: hook for key, hook in now.items() if key not in order})
 
     # ---- back to an ordinary module ---------------------------------------------------
-    def _gather(self, to: str | None) -> tuple[dict[nn.Parameter, torch.Tensor],
-                                               dict[nn.Parameter, dict[str, Any]]]:
+    def _gather(self, to: str | None, cut: bool = False) -> tuple[dict[nn.Parameter, torch.Tensor],
+                                                                  dict[nn.Parameter, dict[str, Any]]]:
         """Every weight whole (the trainable ones' fp32 masters; ZeRO-3's frozen ones
-        gathered) and the optimiser's per-parameter state (collectives: every rank calls
-        this, in the same order). `to`: where each value goes as it comes, one at a time:
-        "device" (where DeepSpeed returns it), "host" (CPU memory), or None: nowhere,
-        this rank only takes part in the collectives and holds nothing more after."""
+        gathered) and the optimiser's per-parameter state, whole or (`cut`) this rank's
+        Pieces (collectives: every rank calls this, in the same order). `to`: where each
+        value goes as it comes, one at a time: "device" (where DeepSpeed returns it),
+        "host" (CPU memory), or None: nowhere, this rank only takes part in the
+        collectives and holds nothing more after."""
         utils = self.ds.utils
         keep = {"device": lambda t: t.detach().clone(), "host": lambda t: t.detach().to("cpu", copy=True),
                 None: lambda t: None}[to]
         values: dict[nn.Parameter, torch.Tensor] = {}
         for p in self.trainable:
             values[p] = keep(utils.safe_get_full_fp32_param(p))
-        state = self._read_state(to is not None)
+        state = self._read_state(to is not None, cut)
         if self.zero == 3:
             for p in self._params:
                 if p not in values:
@@ -396,7 +472,8 @@ class ZeroPhase:
         """Inside, between two steps: on a rank that keeps (rank 0, the one that writes
         an in-stage checkpoint), the model's parameters hold what close() would give
         them (those gathered, in host memory) and the ordinary optimiser the state;
-        after, the engine's own tensors and an empty state again. Every rank takes part
+        after, the engine's own tensors, and the trained parameters' state out of the
+        ordinary optimiser again. Every rank takes part
         in the gathering, one value at a time, and the other ranks keep nothing: beside
         the engine, a device holds one whole value at a time, and only rank 0 a host
         copy of the whole state. Nothing runs the model inside."""
@@ -415,9 +492,10 @@ class ZeroPhase:
                 self.optimizer.state.pop(p, None)
 
     def close(self) -> None:
-        """Full weights and optimiser state back on every rank (collectives: every rank
-        calls this, in the same order), then an ordinary module again."""
-        values, state = self._gather("device")
+        """Full weights back on every rank, and the optimiser state (ZeRO-3: each rank's
+        Pieces; collectives: every rank calls this, in the same order), then an
+        ordinary module again."""
+        values, state = self._gather("device", cut=self.zero == 3)
         if self._bind is not None:
             self._bind(None)  # between phases the optimiser is an ordinary one again
         self.engine.destroy()
@@ -445,9 +523,10 @@ class ZeroPhase:
         """Put back the F.linear this phase found (ZeRO-3 replaced it for the process)."""
         torch.nn.functional.linear = self._linear
 
-    def _read_state(self, keep: bool) -> dict[nn.Parameter, dict[str, Any]]:
-        """Each trainable parameter's optimiser state, whole, in host memory (collective);
-        keep False: only take part, return nothing."""
+    def _read_state(self, keep: bool, cut: bool = False) -> dict[nn.Parameter, dict[str, Any]]:
+        """Each trainable parameter's optimiser state, whole (collective) or (`cut`, ZeRO-3)
+        this rank's Pieces (no collective), in host memory; keep False: only take part,
+        return nothing."""
         inner = self.engine.optimizer.optimizer
         flats = self._flat_partitions()
         if not flats or flats[0][1] not in inner.state:
@@ -458,12 +537,17 @@ class ZeroPhase:
         for g, flat in flats:
             scalars[g] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in inner.state[flat].items()
                           if not (torch.is_tensor(v) and v.shape == flat.shape)}
-        out = {}
+        utils, out = self.ds.utils, {}
+        where = (torch.distributed.get_rank(), torch.distributed.get_world_size())
         for g, slot in enumerate(self.slots):
             if float(scalars[g].get("step", 1)) == 0:
                 continue  # seeded, never stepped: no state, as on torch
             for p in slot.params:
-                whole = {k: self.ds.utils.safe_get_full_optimizer_state(p, k) for k in keys}
+                if cut:
+                    out[p] = {**scalars[g], **{k: Piece(utils.safe_get_local_optimizer_state(p, k).detach().to(
+                        "cpu", copy=True), self._shape_of[p], *where) for k in keys}}
+                    continue
+                whole = {k: utils.safe_get_full_optimizer_state(p, k) for k in keys}
                 if keep:
                     out[p] = {**scalars[g], **{k: v.detach().to("cpu", copy=True).reshape(self._shape_of[p])
                                                for k, v in whole.items()}}

@@ -171,9 +171,11 @@ def load_training_state(run: Run, saved: Loaded) -> None:
 
 
 def save(run: Run, stage_index: int) -> None:
-    """Full weights, method state and optimiser state (gathered by the backend after
-    training: the model is an ordinary module on every rank here); rank 0 writes.
-    The stage's in-stage checkpoint, if any, goes once this one is written."""
+    """Full weights, method state and optimiser state; rank 0 writes. Called inside
+    backend.whole(run.optimizer): the model is an ordinary module on every rank here,
+    but the deepspeed backend at ZeRO-3 keeps the optimiser state cut over the ranks
+    between phases. The stage's in-stage checkpoint, if any, goes once this one is
+    written."""
     if not run.backend.is_main:
         return
     state = {

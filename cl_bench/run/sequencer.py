@@ -149,7 +149,7 @@ class _InStageCheckpoints:
         if not self.run.backend.on_main(lambda: time.perf_counter() - self.last >= self.every):
             return
         self.run.method.before_checkpoint()
-        with self.run.backend.whole():
+        with self.run.backend.whole(self.run.optimizer):
             checkpoint.save_in_stage(self.run, checkpoint.InStage(
                 self.stage.index, phase, next_step, log_rows, self.run.global_step,
                 round(time.perf_counter() - self.t0, 2)))  # rank 0's is the one written
@@ -219,7 +219,8 @@ def _run_stage(run: Run, stage: Stage, stop: signals.Stop, at: checkpoint.InStag
     # Record first, checkpoint second: a crash between the two resumes from the
     # previous checkpoint and redoes this stage, never skips it.
     run.write_files()
-    checkpoint.save(run, stage.index)
+    with run.backend.whole(run.optimizer):  # ZeRO-3 keeps the optimiser state cut between phases
+        checkpoint.save(run, stage.index)
     if not run.backend.is_main:
         return
     scores = ", ".join(f"{run.tasks[j].name} {evals[j].score:.1f}" for j in indices)

@@ -9,7 +9,14 @@ pull written through that copy too; mutation caught: that copy left alone); unde
 deepspeed.bf16, ewc (ZeRO-3) and ogd (ZeRO-2) follow the torch backend's fp32 run;
 resume works (the flagship at ZeRO-2, upcycle at ZeRO-3, the flagship in-stage at
 ZeRO-3, where at the checkpoint rank 0 holds the weights and optimiser state whole and
-rank 1 nothing more than its partitions); only rank 0 writes, logs and shows progress;
+rank 1 nothing more than its partitions); between phases at ZeRO-3 each rank keeps
+only its own piece of the optimiser's moments (half of each tensor's values, rounded
+up; ZeRO-2 all of them), and mofo's kept final checkpoint, gathered from the pieces onto
+rank 0, holds the torch backend's optimiser state (within rtol 1e-4) (mutations caught:
+close() keeping the whole state, the held count; the pieces not gathered for the
+checkpoint, the resumed ZeRO-3 upcycle run fails; rank 0's piece cut again from rank
+1's values after a checkpoint, and a carried piece not set into the next phase's
+engine, losses differ from stage 2 on); only rank 0 writes, logs and shows progress;
 care and same on 3 ranks, one running a padding copy; mofo on 3 ranks at ZeRO-3, where
 the ranks do not divide the weights' sizes; a rank whose state parts from rank 0's
 stops the run where it differs exactly and is warned of where a float drifts
@@ -74,7 +81,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cl_bench.backends.zero_engine import ZeroPhase
+from cl_bench.backends.zero_engine import Piece, ZeroPhase
 from cl_bench.run import checkpoint
 from helpers import (assert_follows_fp32, assert_same_run, deepspeed_args, interrupted_ds_run, make_trace, only_run,
                      run_cli, smoke_args, small_buckets, tied_tiny_llama)
@@ -140,9 +147,15 @@ def _ranks_main(out: Path) -> int:
     ds = lambda zero, variant="": [*EVAL, *_variant(variant, out), *DS_ONLY.get(variant, []), "--backend",
                                    "deepspeed", "--zero", str(zero), "--set",
                                    f"deepspeed.config={out / CONFIGS.get(variant, 'small.json')}"]
+    real_close = ZeroPhase.close
     for method, zero, variant in RUNS:
-        code = run_cli(*smoke_args(trace, out / _name(method, zero, variant), "--method", method,
-                                   *ARGS.get(method, []), *ds(zero, variant)))
+        name = _name(method, zero, variant)
+        ZeroPhase.close = _noting_state(real_close, out / f"state-{name}")
+        try:
+            code = run_cli(*smoke_args(trace, out / name, "--method", method, *ARGS.get(method, []),
+                                       *ds(zero, variant)))
+        finally:
+            ZeroPhase.close = real_close
         if code:
             return code
 
@@ -207,6 +220,35 @@ def _holding(whole, folder: Path):
     return noting
 
 
+def _noting_state(close, folder: Path):
+    """ZeroPhase.close, noting after each phase how many optimiser-state values this
+    rank holds, how many the parameters they are state of hold, and how many tensors
+    they are, [held, whole, tensors], in folder/rank<r>.json."""
+
+    def noting(phase):
+        close(phase)
+        held = whole = tensors = 0
+        for p, state in phase.optimizer.state.items():
+            for v in state.values():
+                if isinstance(v, Piece) or (torch.is_tensor(v) and v.shape == p.shape):
+                    held += v.value.numel() if isinstance(v, Piece) else v.numel()
+                    whole += p.numel()
+                    tensors += 1
+        path = folder / f"rank{torch.distributed.get_rank()}.json"
+        folder.mkdir(parents=True, exist_ok=True)
+        notes = json.loads(path.read_text()) if path.exists() else []
+        path.write_text(json.dumps([*notes, [held, whole, tensors]]))
+    return noting
+
+
+def _optimizer_state(run_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """The kept checkpoint's per-value optimiser state, by parameter name."""
+    saved = checkpoint.load_checkpoint(run_dir)["optimizer"]
+    names = [n for group in saved["groups"] for n in group]
+    state = saved["state"]["state"]
+    return {names[i]: {k: v for k, v in s.items() if k != "step"} for i, s in state.items()}
+
+
 def _launch_env() -> dict:
     here = Path(__file__).parents  # tests/ (helpers) and this checkout's cl_bench, not the installed one's
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(map(str, (here[1], here[2]))),
@@ -251,10 +293,26 @@ def test_two_ranks_agree_with_one(tmp_path):
             assert_follows_fp32(references[key], two)
             continue
         assert_same_run(references[key], two)
-        if "--keep-checkpoint" in ARGS.get(method, []):  # and the final weights
+        if "--keep-checkpoint" in ARGS.get(method, []):  # and the final weights and optimiser state
             weights = [checkpoint.load_checkpoint(d)["model"] for d in (references[key], two)]
             for name, value in weights[0].items():
                 assert torch.allclose(weights[1][name], value, rtol=0, atol=1e-5), (method, zero, variant, name)
+            moments = [_optimizer_state(d) for d in (references[key], two)]
+            assert moments[0].keys() == moments[1].keys() and moments[0], (method, zero, variant)
+            for name, state in moments[0].items():
+                for k, value in state.items():
+                    assert torch.allclose(moments[1][name][k], value, rtol=1e-4, atol=1e-9), (method, zero, name, k)
+        # what each rank held after each phase: ZeRO-3 its own piece of the optimiser's
+        # moments (half of each tensor's values, rounded up), ZeRO-2 all of them
+        held = [json.loads((out / f"state-{_name(method, zero, variant)}" / f"rank{r}.json").read_text())
+                for r in (0, 1)]
+        assert len(held[0]) == len(held[1]) > 0 and any(whole for _, whole, _ in held[0]), held
+        for (h0, w0, n), (h1, w1, _) in zip(*held):
+            assert w0 == w1, held
+            if zero == 3:
+                assert h0 + h1 >= w0 and max(h0, h1) <= (w0 + n) / 2, (method, variant, held)
+            else:
+                assert h0 == h1 == w0, (method, variant, held)
         record = json.loads((two / "run.json").read_text())
         assert record["backend"]["world_size"] == 2 and record["backend"]["zero"] == zero
         zero_config = record["backend"].get("deepspeed_config", {}).get("zero_optimization", {})
