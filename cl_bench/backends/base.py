@@ -54,6 +54,12 @@ class Backend:
         process they are whole already."""
         return contextlib.nullcontext()
 
+    def load_optimizer(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        """A checkpoint's optimiser state into the run's `optimizer` (--resume, between
+        phases), held as this backend holds it there; in one process, torch's
+        load_state_dict: each tensor beside its parameter."""
+        optimizer.load_state_dict(state_dict)
+
     def same_on_every_rank(self, label: str, fingerprint: Callable[[], dict]) -> None:
         """On N ranks: stop the run where a rank's model or method state (`fingerprint()`,
         cl_bench/run/agreement.py) differs from rank 0's other than by float rounding,

@@ -17,7 +17,8 @@ the engine's.
 The engine lives for one training phase (zero_engine.ZeroPhase): between phases
 the model is an ordinary module with full weights on every rank, so hooks,
 evaluation and checkpoints are the torch backend's (at ZeRO-3 each rank keeps only
-its piece of the optimiser's moments, gathered onto rank 0 for a checkpoint).
+its piece of the optimiser's moments, gathered onto rank 0 for a checkpoint and cut
+again from one loaded on --resume).
 Evaluation splits each task's generation batches over the ranks and gathers the
 continuations.
 
@@ -52,7 +53,7 @@ import yaml
 from cl_bench.backends.base import Backend
 from cl_bench.step_gradients import Fragment, StepGradients
 from cl_bench.backends.loop import Job, StepCallback, run_phase, seeded
-from cl_bench.backends.zero_engine import ZeroPhase, whole_state
+from cl_bench.backends.zero_engine import ZeroPhase, load_held, whole_state
 from cl_bench.config import RunConfig
 from cl_bench.errors import UserError
 from cl_bench.eval.generation import greedy_generate
@@ -443,6 +444,11 @@ class DeepSpeedBackend(Backend):
             if optimizer is not None:
                 stack.enter_context(whole_state(optimizer, self.device, keep=self.is_main))
             yield
+
+    def load_optimizer(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        """Held as a phase's close() leaves it: in host memory, and at ZeRO-3 each rank
+        only its Piece of each moment (zero_engine.load_held)."""
+        load_held(optimizer, state_dict, self.config.deepspeed.zero, self.rank, self.world_size)
 
     def _share(self, jobs: list[Job], replay_everywhere: bool = False) -> list[tuple[int, Job]]:
         """This rank's (index, job) pairs: jobs r, r + N, ... of the step, padded with

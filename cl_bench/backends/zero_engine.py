@@ -17,8 +17,8 @@ engine and strips what DeepSpeed added to the modules and parameters.
 At ZeRO-3 a parameter's per-value optimiser state (Adam's two moments, twice the
 fp32 weights) stays cut between phases. Each rank keeps its own partition of each
 tensor in host memory (a `Piece`), so a rank holds 1/N of the state, not all of it
-(at 7B on 8 ranks about 7 GB, not 56; after `--resume` every rank holds the
-checkpoint's whole state until its first phase starts). A piece goes straight back
+(at 7B on 8 ranks about 7 GB, not 56); a checkpoint loaded on `--resume` is cut so
+too (load_held), never whole on a device. A piece goes straight back
 into the next phase's engine (same ranks, same padded size), and the whole tensor
 is assembled only where a checkpoint needs it: `whole_state`, on the rank that
 writes, one value at a time (no hook reads a moment; one that did would need it
@@ -40,7 +40,9 @@ optimiser state; the parameters of each partition (bit16_groups and `_hp_mapping
 ZeRO-2; fp16_groups and `ds_tensor`, ZeRO-3) for an optimiser that asks for the
 layout (`bind_zero_layout`, cl_bench/step_gradients.py's ZeroLayout); the
 handles of ZeRO-3's leaf-module reduction hooks (`_leaf_module_hooks`), which
-`apart()` takes off the modules for a gradient outside the step; everything
+`apart()` takes off the modules for a gradient outside the step; ZeRO-3's
+partition size (a parameter's size over the ranks, rounded up: load_held cuts a
+loaded checkpoint's state so, and _set_full checks it against `ds_tensor`); everything
 else goes through deepspeed.utils (safe_get_full_*, safe_set_full_* at ZeRO-2 and
 safe_set_local_* at ZeRO-3 (_set_full), safe_get_local_optimizer_state (close() at
 ZeRO-3), set_z3_leaf_module) and
@@ -126,6 +128,51 @@ def whole_state(optimizer: torch.optim.Optimizer, device: torch.device, keep: bo
     finally:
         for state, key, size, ranks in held:
             state[key] = Piece(_cut(state[key], 0, size), state[key].shape, 0, ranks)
+
+
+class _Held:
+    """An optimiser-state tensor on its way through torch's Optimizer.load_state_dict,
+    which moves every tensor it finds onto its parameter's device and passes other
+    values over as they are (torch 2.13's _cast)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def load_held(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], zero: int, rank: int,
+              ranks: int) -> None:
+    """optimizer.load_state_dict(state_dict) between phases (a checkpoint on --resume),
+    each per-value tensor (Adam's moments) held as close() holds it there: in host
+    memory, and at ZeRO-3 only this rank's Piece (ZeRO-3's partition: the tensor's size
+    over the ranks, rounded up; the next phase's _set_full refuses a piece of another
+    size). Loaded as torch loads it, the whole state would land on every rank's device
+    beside the whole weights (at 7B, 56 + 28 GB: more than an 80 GB GPU holds). Saved
+    entries pair with the optimiser's parameters in order, as torch pairs them; saved
+    groups of other sizes are left for load_state_dict to refuse."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+    if len(ids) == len(params):
+        state = dict(state_dict["state"])
+        for i, p in zip(ids, params):
+            if isinstance(state.get(i), dict):
+                state[i] = {k: _Held(_host(v, p, zero, rank, ranks)) if _per_value(v, p) else v
+                            for k, v in state[i].items()}
+        state_dict = {**state_dict, "state": state}
+    optimizer.load_state_dict(state_dict)
+    for p in params:
+        entries = optimizer.state.get(p, {})
+        for k, v in entries.items():
+            if isinstance(v, _Held):
+                entries[k] = v.value
+
+
+def _host(value, p: nn.Parameter, zero: int, rank: int, ranks: int):
+    """What a rank holds of a per-value optimiser-state tensor between phases (load_held)."""
+    if zero == 3:
+        return Piece(_cut(value, rank, -(-value.numel() // ranks)), value.shape, rank, ranks)
+    return value.to("cpu", p.dtype if p.is_floating_point() else value.dtype)
 
 
 def _cut(value: torch.Tensor, rank: int, size: int) -> torch.Tensor:

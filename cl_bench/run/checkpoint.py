@@ -163,8 +163,9 @@ def load_training_state(run: Run, saved: Loaded) -> None:
             run.optimizer = run.method.make_optimizer([{"params": [params[n] for n in names]} for names in groups])
         fresh = [dict(g) for g in run.optimizer.param_groups]
         with saved.applying("optimizer.state"):
-            run.optimizer.load_state_dict(saved.state["optimizer"]["state"])
-        saved.check_optimizer(run.optimizer, fresh)
+            saved.check_optimizer_state(run.optimizer)
+            run.backend.load_optimizer(run.optimizer, saved.state["optimizer"]["state"])
+        saved.check_hyperparameters(run.optimizer, fresh)
     rng = saved.get("rng", dict)
     with saved.applying("rng"):
         set_rng_state(rng)
@@ -202,7 +203,7 @@ class InStage:
     log_rows: list[dict]
     global_step: int
     train_s: float
-    state: Loaded | None = None  # as loaded (save_in_stage takes the run's own)
+    state: Loaded | None = None  # as loaded, until applied (enter_in_stage); save_in_stage takes the run's own
 
 
 def save_in_stage(run: Run, at: InStage) -> None:

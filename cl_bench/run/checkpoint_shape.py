@@ -94,22 +94,39 @@ class Loaded:
             raise self.fail("optimizer.state", "must be the optimiser's state_dict")
         return groups
 
-    def check_optimizer(self, optimizer: torch.optim.Optimizer, fresh: list[dict]) -> None:
-        """After load_state_dict: each hyperparameter of the type a new optimiser has
-        (`fresh`: its param_groups before loading); each per-parameter entry a
-        floating tensor (a scalar, or of its parameter's shape) or a number, of one
-        kind for every parameter (AdamW's step: a tensor; MoFO's: an int)."""
+    def check_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before it is loaded (the backend may hold it otherwise than torch does): each
+        saved per-parameter entry a floating tensor (a scalar, or of its parameter's
+        shape) or a number, of one kind for every parameter (AdamW's step: a tensor;
+        MoFO's: an int). Saved entries pair with `optimizer`'s parameters in order, as
+        torch's load_state_dict pairs them; groups of other sizes are its to refuse."""
+        saved = self.state["optimizer"]["state"]
+        groups, entries = saved.get("param_groups"), saved.get("state")
+        if not (isinstance(groups, list) and isinstance(entries, dict)
+                and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
+            return
+        ids = [i for g in groups for i in g["params"]]
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if len(ids) != len(params):
+            return
         kinds: dict[str, type] = {}
+        for i, p in zip(ids, params):
+            state = entries.get(i, {})
+            if not isinstance(state, dict):
+                raise self.fail(f"optimizer.state.state.{i}", "must be a dict of its parameter's state")
+            for key, value in state.items():
+                tensor = isinstance(value, torch.Tensor)
+                ok = (tensor and value.is_floating_point() and (value.dim() == 0 or value.shape == p.shape)
+                      or type(value) in (int, float)) and kinds.setdefault(key, type(value)) is type(value)
+                if not ok:
+                    raise self.fail(f"optimizer.state.state.{key}", f"must be a floating tensor of its "
+                                    f"parameter's shape {tuple(p.shape)} (or a scalar), like the others")
+
+    def check_hyperparameters(self, optimizer: torch.optim.Optimizer, fresh: list[dict]) -> None:
+        """After load_state_dict: each hyperparameter of the type a new optimiser has
+        (`fresh`: its param_groups before loading)."""
         for i, (group, new) in enumerate(zip(optimizer.param_groups, fresh)):
             for key, value in new.items():
                 if key != "params" and type(group.get(key)) is not type(value):
                     raise self.fail(f"optimizer.state.param_groups[{i}].{key}",
                                     f"must be {type(value).__name__}, found {type(group.get(key)).__name__}")
-            for p in group["params"]:
-                for key, value in optimizer.state.get(p, {}).items():
-                    tensor = isinstance(value, torch.Tensor)
-                    ok = (tensor and value.is_floating_point() and (value.dim() == 0 or value.shape == p.shape)
-                          or type(value) in (int, float)) and kinds.setdefault(key, type(value)) is type(value)
-                    if not ok:
-                        raise self.fail(f"optimizer.state.state.{key}", f"must be a floating tensor of its "
-                                        f"parameter's shape {tuple(p.shape)} (or a scalar), like the others")

@@ -235,8 +235,11 @@ def load_in_stage(run: Run) -> InStage | None:
 
 def enter_in_stage(run: Run, at: InStage) -> None:
     """Load the in-stage checkpoint's state (its phase's hooks have run) and note the
-    resume in the record."""
+    resume in the record. The loaded file goes then: kept in `at` for the rest of the
+    stage, it would hold a second copy of the weights on every rank (and at ZeRO-3 the
+    whole optimiser state)."""
     checkpoint.load_training_state(run, at.state)
+    at.state = None
     run.global_step = at.global_step
     last = (run.record.resumes or [None])[-1]
     if last is not None and last.get("at_stage") == at.stage:

@@ -545,3 +545,36 @@ def test_phases_free_what_they_drop_and_walk_only_what_the_run_made(trace_dir, t
     collect()
     assert models[0]() is None
     assert len(in_phases) == 6 and not any(in_phases), (in_phases, started)  # processes each phase started
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_a_loaded_optimiser_state_is_held_as_between_phases(zero):
+    """zero_engine.load_held (DeepSpeedBackend.load_optimizer, --resume): a checkpoint's
+    Adam moments stay in host memory, here where the parameters sit on the meta device,
+    and at ZeRO-3 rank 2 of 3 keeps only its padded piece of each (7 values: 3 a rank,
+    its own the 7th and two zeros); the step and the hyperparameters load as torch
+    loads them. Mutation caught: load_held calling load_state_dict alone (the moments
+    on the meta device, whole)."""
+    from cl_bench.backends.zero_engine import Piece, load_held
+
+    made = [torch.nn.Parameter(torch.zeros(7)), torch.nn.Parameter(torch.zeros(2, 3))]
+    adam = torch.optim.AdamW(made, lr=0.5)
+    for p in made:
+        p.grad = torch.arange(1.0, p.numel() + 1).reshape(p.shape)
+    adam.step()
+    saved = adam.state_dict()
+    params = [torch.nn.Parameter(torch.empty(p.shape, device="meta")) for p in made]
+    loaded = torch.optim.AdamW(params, lr=1.0)
+    load_held(loaded, saved, zero, rank=2, ranks=3)
+    assert loaded.param_groups[0]["lr"] == 0.5
+    for p, q in zip(made, params):
+        assert torch.equal(loaded.state[q]["step"], adam.state[p]["step"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            held, whole = loaded.state[q][key], adam.state[p][key]
+            if zero == 2:
+                assert held.device.type == "cpu" and torch.equal(held, whole), key
+                continue
+            size = -(-p.numel() // 3)
+            assert isinstance(held, Piece) and (held.shape, held.rank, held.ranks) == (p.shape, 2, 3), key
+            mine = whole.reshape(-1)[2 * size:]
+            assert torch.equal(held.value, torch.cat([mine, torch.zeros(size - mine.numel())])), key

@@ -11,12 +11,16 @@ resume works (the flagship at ZeRO-2, upcycle at ZeRO-3, the flagship in-stage a
 ZeRO-3, where at the checkpoint rank 0 holds the weights and optimiser state whole and
 rank 1 nothing more than its partitions); between phases at ZeRO-3 each rank keeps
 only its own piece of the optimiser's moments (half of each tensor's values, rounded
-up; ZeRO-2 all of them), and mofo's kept final checkpoint, gathered from the pieces onto
-rank 0, holds the torch backend's optimiser state (within rtol 1e-4) (mutations caught:
-close() keeping the whole state, the held count; the pieces not gathered for the
-checkpoint, the resumed ZeRO-3 upcycle run fails; rank 0's piece cut again from rank
-1's values after a checkpoint, and a carried piece not set into the next phase's
-engine, losses differ from stage 2 on); only rank 0 writes, logs and shows progress;
+up; ZeRO-2 all of them), and so does each rank once a resumed run has loaded its
+checkpoint (zero_engine.load_held); mofo's kept final checkpoint, gathered from the
+pieces onto rank 0, holds the torch backend's optimiser state (within rtol 1e-4)
+(mutations caught: close() keeping the whole state, the held count; the loaded
+checkpoint's state kept whole, the held count after the load (100,384 values on each
+rank for 100,384); each rank's loaded piece cut from rank 0's values, the resumed
+flagship differs from stage 3 on; the pieces not gathered for the checkpoint, the
+resumed ZeRO-3 upcycle run fails; rank 0's piece cut again from rank 1's values after
+a checkpoint, and a carried piece not set into the next phase's engine, losses differ
+from stage 2 on); only rank 0 writes, logs and shows progress;
 care and same on 3 ranks, one running a padding copy; mofo on 3 ranks at ZeRO-3, where
 the ranks do not divide the weights' sizes; a rank whose state parts from rank 0's
 stops the run where it differs exactly and is warned of where a float drifts
@@ -81,6 +85,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cl_bench.backends.deepspeed_backend import DeepSpeedBackend
 from cl_bench.backends.zero_engine import Piece, ZeroPhase
 from cl_bench.run import checkpoint
 from helpers import (assert_follows_fp32, assert_same_run, deepspeed_args, interrupted_ds_run, make_trace, only_run,
@@ -163,7 +168,7 @@ def _ranks_main(out: Path) -> int:
         def setattr(self, obj, name, value):
             setattr(obj, name, value)
 
-    real_whole = ZeroPhase.whole
+    real_whole, real_load = ZeroPhase.whole, DeepSpeedBackend.load_optimizer
     for method, zero, variant, step in RESUMED:
         name = _name(method, zero, variant)
         if step is not None:
@@ -175,7 +180,11 @@ def _ranks_main(out: Path) -> int:
                                          at_stage=1, after_step=step)
         finally:
             ZeroPhase.whole = real_whole
-        code = run_cli("run", "--resume", run_dir, "--no-progress")
+        DeepSpeedBackend.load_optimizer = _noting_load(real_load, out / f"loaded-{name}")
+        try:
+            code = run_cli("run", "--resume", run_dir, "--no-progress")
+        finally:
+            DeepSpeedBackend.load_optimizer = real_load
         if code:
             return code
     return _parted(trace, out, ds)
@@ -221,24 +230,53 @@ def _holding(whole, folder: Path):
 
 
 def _noting_state(close, folder: Path):
-    """ZeroPhase.close, noting after each phase how many optimiser-state values this
-    rank holds, how many the parameters they are state of hold, and how many tensors
-    they are, [held, whole, tensors], in folder/rank<r>.json."""
+    """ZeroPhase.close, noting after each phase what this rank holds of the optimiser
+    state (_note_held)."""
 
     def noting(phase):
         close(phase)
-        held = whole = tensors = 0
-        for p, state in phase.optimizer.state.items():
-            for v in state.values():
-                if isinstance(v, Piece) or (torch.is_tensor(v) and v.shape == p.shape):
-                    held += v.value.numel() if isinstance(v, Piece) else v.numel()
-                    whole += p.numel()
-                    tensors += 1
-        path = folder / f"rank{torch.distributed.get_rank()}.json"
-        folder.mkdir(parents=True, exist_ok=True)
-        notes = json.loads(path.read_text()) if path.exists() else []
-        path.write_text(json.dumps([*notes, [held, whole, tensors]]))
+        _note_held(phase.optimizer, folder)
     return noting
+
+
+def _noting_load(load, folder: Path):
+    """DeepSpeedBackend.load_optimizer, noting what this rank holds of the optimiser
+    state once a checkpoint's is loaded (_note_held)."""
+
+    def noting(backend, optimizer, state_dict):
+        load(backend, optimizer, state_dict)
+        _note_held(optimizer, folder)
+    return noting
+
+
+def _note_held(optimizer, folder: Path) -> None:
+    """How many optimiser-state values this rank holds, how many the parameters they are
+    state of hold, and how many tensors they are, [held, whole, tensors], added to
+    folder/rank<r>.json."""
+    held = whole = tensors = 0
+    for p, state in optimizer.state.items():
+        for v in state.values():
+            if isinstance(v, Piece) or (torch.is_tensor(v) and v.shape == p.shape):
+                held += v.value.numel() if isinstance(v, Piece) else v.numel()
+                whole += p.numel()
+                tensors += 1
+    path = folder / f"rank{torch.distributed.get_rank()}.json"
+    folder.mkdir(parents=True, exist_ok=True)
+    notes = json.loads(path.read_text()) if path.exists() else []
+    path.write_text(json.dumps([*notes, [held, whole, tensors]]))
+
+
+def _assert_held(folder: Path, zero: int, what) -> None:
+    """Each note of both ranks (_note_held): at ZeRO-3 each rank held its own piece of
+    each moment (half of each tensor's values, rounded up), at ZeRO-2 all of them."""
+    held = [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert len(held[0]) == len(held[1]) > 0 and any(whole for _, whole, _ in held[0]), (what, held)
+    for (h0, w0, n), (h1, w1, _) in zip(*held):
+        assert w0 == w1, (what, held)
+        if zero == 3:
+            assert h0 + h1 >= w0 and max(h0, h1) <= (w0 + n) / 2, (what, held)
+        else:
+            assert h0 == h1 == w0, (what, held)
 
 
 def _optimizer_state(run_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -302,17 +340,7 @@ def test_two_ranks_agree_with_one(tmp_path):
             for name, state in moments[0].items():
                 for k, value in state.items():
                     assert torch.allclose(moments[1][name][k], value, rtol=1e-4, atol=1e-9), (method, zero, name, k)
-        # what each rank held after each phase: ZeRO-3 its own piece of the optimiser's
-        # moments (half of each tensor's values, rounded up), ZeRO-2 all of them
-        held = [json.loads((out / f"state-{_name(method, zero, variant)}" / f"rank{r}.json").read_text())
-                for r in (0, 1)]
-        assert len(held[0]) == len(held[1]) > 0 and any(whole for _, whole, _ in held[0]), held
-        for (h0, w0, n), (h1, w1, _) in zip(*held):
-            assert w0 == w1, held
-            if zero == 3:
-                assert h0 + h1 >= w0 and max(h0, h1) <= (w0 + n) / 2, (method, variant, held)
-            else:
-                assert h0 == h1 == w0, (method, variant, held)
+        _assert_held(out / f"state-{_name(method, zero, variant)}", zero, (method, variant))  # after each phase
         record = json.loads((two / "run.json").read_text())
         assert record["backend"]["world_size"] == 2 and record["backend"]["zero"] == zero
         zero_config = record["backend"].get("deepspeed_config", {}).get("zero_optimization", {})
@@ -324,6 +352,7 @@ def test_two_ranks_agree_with_one(tmp_path):
         assert record["status"] == "complete" and record["resumes"][0]["at_stage"] == 1
         assert record["resumes"][0].get("at_step") == (None if step is None else {"phase": 0, "step": step + 1})
         assert_same_run(only_run(out / name), resumed)
+        _assert_held(out / f"loaded-{name}", zero, ("resumed", method))  # the checkpoint's, as loaded
         if step is not None:  # inside whole(): rank 0 held the weights and state whole, rank 1 no state
             held = [json.loads((out / f"held-{name}" / f"rank{r}.json").read_text()) for r in (0, 1)]
             assert all(held[0]["whole"]) and held[0]["state"] > 0, held[0]

@@ -162,3 +162,39 @@ def test_checkpoint_every_s_is_checked_before_anything_loads(trace_dir, tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "train.checkpoint_every_s=-1.0 must be a number of seconds >= 0" in err[0]
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").glob("*/run.json"))
+
+
+def test_the_loaded_in_stage_checkpoint_is_let_go_once_applied(trace_dir, tmp_path, monkeypatch):
+    """A run resumed from an in-stage checkpoint trains the rest of that stage without
+    the loaded file's weights alive (resume.enter_in_stage; kept in the InStage, they were
+    a second copy of the model on every rank for the whole stage). Mutation caught: the
+    InStage keeping its state (every loaded weight still alive when training goes on)."""
+    import gc
+    import weakref
+
+    from cl_bench.backends.torch_backend import TorchBackend
+    from helpers import interrupted_run
+
+    run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, tmp_path / "runs", *SHAPE, *EVERY_STEP),
+                              at_stage=1, after_step=1)
+    loaded = checkpoint.loaded
+    weights: list[weakref.ref] = []
+    alive: list[int] = []
+
+    def noting(run, name):
+        saved = loaded(run, name)
+        if name == checkpoint.STEP_CHECKPOINT_DIR:
+            weights.extend(weakref.ref(t) for t in saved.state["model"].values())
+        return saved
+
+    real = TorchBackend.train_stage
+
+    def train_stage(self, *args, **kwargs):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in weights))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "loaded", noting)
+    monkeypatch.setattr(TorchBackend, "train_stage", train_stage)
+    assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
+    assert weights and alive and alive[0] == 0, (len(weights), alive)
