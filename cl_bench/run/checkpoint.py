@@ -11,7 +11,12 @@ cl_bench/run/resume.py's; the layout of one loaded is checked field by field
 A checkpoint folder is written whole under `<name>.new`, then swapped in: the
 previous one survives a crash (save_checkpoint). It is loaded with
 weights_only=True: tensors and plain values only, so a checkpoint from someone
-else cannot run code on --resume (load_checkpoint).
+else cannot run code on --resume (load_checkpoint). A run resuming maps the file
+instead of reading it (loaded): its pages are read as they are touched and shared
+by every rank of a machine, and a rank copies out only what it keeps (the weights
+into the model; at ZeRO-3 its piece of the optimiser state). Whatever it keeps is
+its own copy, so nothing holds the mapping once the checkpoint is applied: the file
+a later checkpoint replaces is freed, and never rewritten in place under a mapping.
 """
 from __future__ import annotations
 
@@ -106,13 +111,14 @@ def checkpoint_file(run_dir: Path, name: str = CHECKPOINT_DIR) -> Path | None:
     return None
 
 
-def load_checkpoint(run_dir: Path, name: str = CHECKPOINT_DIR) -> dict[str, Any]:
+def load_checkpoint(run_dir: Path, name: str = CHECKPOINT_DIR, mmap: bool = False) -> dict[str, Any]:
     """The last checkpoint, loaded with `weights_only=True`: tensors and plain types
-    only, so a checkpoint from someone else cannot run code on --resume."""
+    only, so a checkpoint from someone else cannot run code on --resume. `mmap`: its
+    tensors map the file (torch's private mapping: writes to them stay in the process)."""
     path = checkpoint_file(run_dir, name)
     if path is not None:
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as exc:
             found = re.search(r"GLOBAL ([\w.]+)", str(exc))  # what the file asked to import
             first = f"it imports {found.group(1)}" if found else type(exc).__name__
@@ -145,9 +151,43 @@ def _training_state(run: Run) -> dict[str, Any]:
 
 
 def loaded(run: Run, name: str) -> Loaded:
-    """The checkpoint `name` of the run, to be applied field by field (checkpoint_shape)."""
-    state = load_checkpoint(run.run_dir, name)
+    """The checkpoint `name` of the run, to be applied field by field (checkpoint_shape),
+    mapped (module docstring). Every field but the weights and the optimiser state,
+    which load_training_state copies out, is copied now: a method, the replay buffer
+    or a probe may keep what it is given."""
+    state = load_checkpoint(run.run_dir, name, mmap=True)
+    if isinstance(state, dict):
+        state = {k: v if k in ("model", "optimizer") else _copied(v) for k, v in state.items()}
     return Loaded(checkpoint_file(run.run_dir, name), state)
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    """Every tensor in a loaded value (dicts, lists and tuples walked)."""
+    if torch.is_tensor(value):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return [t for item in items for t in _tensors(item)]
+
+
+def _copied(value):
+    """`value` with every tensor in it copied (dicts, lists and tuples walked)."""
+    if torch.is_tensor(value):
+        return value.clone()
+    if isinstance(value, dict):
+        return type(value)((k, _copied(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(v) for v in value)
+    return value
+
+
+def _own(optimizer: torch.optim.Optimizer, saved: list[torch.Tensor]) -> None:
+    """Each of `saved` (the loaded file's tensors) that `optimizer` kept as it was, in its
+    state or its groups' hyperparameters, replaced by a copy (loaded)."""
+    mapped = {id(t) for t in saved}
+    for entries in [*optimizer.state.values(), *optimizer.param_groups]:
+        for key, value in entries.items():
+            if id(value) in mapped:
+                entries[key] = value.clone()
 
 
 def load_training_state(run: Run, saved: Loaded) -> None:
@@ -165,6 +205,7 @@ def load_training_state(run: Run, saved: Loaded) -> None:
         with saved.applying("optimizer.state"):
             saved.check_optimizer_state(run.optimizer)
             run.backend.load_optimizer(run.optimizer, saved.state["optimizer"]["state"])
+        _own(run.optimizer, _tensors(saved.state["optimizer"]))
         saved.check_hyperparameters(run.optimizer, fresh)
     rng = saved.get("rng", dict)
     with saved.applying("rng"):

@@ -14,6 +14,7 @@ equal there, the steps taken are not).
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -164,37 +165,31 @@ def test_checkpoint_every_s_is_checked_before_anything_loads(trace_dir, tmp_path
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").glob("*/run.json"))
 
 
-def test_the_loaded_in_stage_checkpoint_is_let_go_once_applied(trace_dir, tmp_path, monkeypatch):
-    """A run resumed from an in-stage checkpoint trains the rest of that stage without
-    the loaded file's weights alive (resume.enter_in_stage; kept in the InStage, they were
-    a second copy of the model on every rank for the whole stage). Mutation caught: the
-    InStage keeping its state (every loaded weight still alive when training goes on)."""
-    import gc
-    import weakref
-
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's mappings (Linux)")
+def test_a_resumed_run_trains_on_with_no_checkpoint_file_mapped(trace_dir, tmp_path, monkeypatch):
+    """--resume maps the checkpoint file (checkpoint.loaded); once it is applied nothing
+    of the run holds the mapping, neither the stage checkpoint's nor the in-stage one's:
+    the file a later checkpoint replaces is freed, and the loaded weights are not a
+    second copy of the model for the rest of the stage. ewc, which keeps the Fisher and
+    anchor tensors it is given, stopped after step 1 of stage 2 with an in-stage
+    checkpoint at every step; the process's mappings read as each stage's training
+    starts. Mutations caught: the method's field not copied (ewc's tensors hold the
+    in-stage checkpoint's mapping), the optimiser's state not copied (AdamW's step and
+    moments, on the CPU, stay the file's), the InStage keeping the loaded file."""
     from cl_bench.backends.torch_backend import TorchBackend
     from helpers import interrupted_run
 
-    run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, tmp_path / "runs", *SHAPE, *EVERY_STEP),
-                              at_stage=1, after_step=1)
-    loaded = checkpoint.loaded
-    weights: list[weakref.ref] = []
-    alive: list[int] = []
-
-    def noting(run, name):
-        saved = loaded(run, name)
-        if name == checkpoint.STEP_CHECKPOINT_DIR:
-            weights.extend(weakref.ref(t) for t in saved.state["model"].values())
-        return saved
-
+    run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, tmp_path / "runs", "--method", "ewc", *SHAPE,
+                                                       *EVERY_STEP), at_stage=1, after_step=1)
     real = TorchBackend.train_stage
+    mapped: list[list[str]] = []
 
     def train_stage(self, *args, **kwargs):
         gc.collect()
-        alive.append(sum(ref() is not None for ref in weights))
+        lines = Path("/proc/self/maps").read_text().splitlines()
+        mapped.append(sorted({line.split(str(run_dir))[1] for line in lines if str(run_dir) in line}))
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "loaded", noting)
     monkeypatch.setattr(TorchBackend, "train_stage", train_stage)
     assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
-    assert weights and alive and alive[0] == 0, (len(weights), alive)
+    assert mapped == [[], []], mapped
