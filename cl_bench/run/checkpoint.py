@@ -24,6 +24,7 @@ import pickle
 import random
 import re
 import shutil
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -118,7 +119,8 @@ def load_checkpoint(run_dir: Path, name: str = CHECKPOINT_DIR, mmap: bool = Fals
     path = checkpoint_file(run_dir, name)
     if path is not None:
         try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            # torch maps zip files only (the format torch.save writes): another is read, and refused below
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(path))
         except pickle.UnpicklingError as exc:
             found = re.search(r"GLOBAL ([\w.]+)", str(exc))  # what the file asked to import
             first = f"it imports {found.group(1)}" if found else type(exc).__name__
@@ -169,12 +171,17 @@ def _tensors(value) -> list[torch.Tensor]:
     return [t for item in items for t in _tensors(item)]
 
 
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor of its own (detached: a copy's graph would hold the mapped one)."""
+    return tensor.detach().clone().requires_grad_(tensor.requires_grad)
+
+
 def _copied(value):
     """`value` with every tensor in it copied (dicts, lists and tuples walked)."""
     if torch.is_tensor(value):
-        return value.clone()
+        return _copy(value)
     if isinstance(value, dict):
-        return type(value)((k, _copied(v)) for k, v in value.items())
+        return type(value)({k: _copied(v) for k, v in value.items()})
     if isinstance(value, (list, tuple)):
         return type(value)(_copied(v) for v in value)
     return value
@@ -187,7 +194,7 @@ def _own(optimizer: torch.optim.Optimizer, saved: list[torch.Tensor]) -> None:
     for entries in [*optimizer.state.values(), *optimizer.param_groups]:
         for key, value in entries.items():
             if id(value) in mapped:
-                entries[key] = value.clone()
+                entries[key] = _copy(value)
 
 
 def load_training_state(run: Run, saved: Loaded) -> None:

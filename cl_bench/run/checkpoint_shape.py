@@ -98,8 +98,9 @@ class Loaded:
         """Before it is loaded (the backend may hold it otherwise than torch does): each
         saved per-parameter entry a floating tensor (a scalar, or of its parameter's
         shape) or a number, of one kind for every parameter (AdamW's step: a tensor;
-        MoFO's: an int). Saved entries pair with `optimizer`'s parameters in order, as
-        torch's load_state_dict pairs them; groups of other sizes are its to refuse."""
+        MoFO's: an int), and none for anything else. Saved entries pair with
+        `optimizer`'s parameters in order, as torch's load_state_dict pairs them; groups
+        of other sizes are its to refuse."""
         saved = self.state["optimizer"]["state"]
         groups, entries = saved.get("param_groups"), saved.get("state")
         if not (isinstance(groups, list) and isinstance(entries, dict)
@@ -109,6 +110,10 @@ class Loaded:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         if len(ids) != len(params):
             return
+        known = set(ids)
+        stray = [k for k in entries if k not in known]  # torch would keep them as they are, unchecked
+        if stray:
+            raise self.fail(f"optimizer.state.state.{stray[0]}", "is not a parameter of the saved groups")
         kinds: dict[str, type] = {}
         for i, p in zip(ids, params):
             state = entries.get(i, {})

@@ -163,6 +163,13 @@ def _shrunk_weight(state):
     return {**state, "model": {**state["model"], key: state["model"][key][:1]}}
 
 
+def _stray_optimizer_entry(state):
+    """An optimiser state entry keyed by no parameter id (torch's load_state_dict keeps
+    such an entry as it is)."""
+    saved = state["optimizer"]["state"]
+    return {**state, "optimizer": {**state["optimizer"], "state": {**saved, "state": {**saved["state"], "x": 1}}}}
+
+
 def _another_task(name):
     """Py150 replaced by `name` wherever the record names it, but in its config."""
     def edit(run_dir):
@@ -188,6 +195,8 @@ EDITS = [  # (case, edit of the run folder, what the one line says)
     ("weights of another shape", _edit_state(_shrunk_weight), "state.pt: field model.model.embed_tokens.weight must"),
     ("a list", _edit_state(lambda s: [1, 2]), "state.pt: holds a list, not the fields cl-bench writes"),
     ("stage beyond the record", _edit_state(lambda s: {**s, "stage": 2}), "state.pt: field stage=2 must be in [0, 1]"),
+    ("optimiser state of no parameter", _edit_state(_stray_optimizer_entry),
+     "state.pt: field optimizer.state.state.x is not a parameter of the saved groups"),
 ]
 
 

@@ -35,6 +35,13 @@ def _tamper_code(state_pt):
     torch.save(state, state_pt)
 
 
+def _tamper_code_legacy(state_pt):
+    """The same in torch's legacy (not zip) format, which torch.load cannot memory-map."""
+    state = torch.load(state_pt, weights_only=True)
+    state["method"] = {"payload": _Exploit()}
+    torch.save(state, state_pt, _use_new_zipfile_serialization=False)
+
+
 def _tamper_truncate(state_pt):
     data = state_pt.read_bytes()
     state_pt.write_bytes(data[: len(data) // 3])
@@ -46,6 +53,7 @@ def _tamper_empty(state_pt):
 
 @pytest.mark.parametrize("tamper, message", [
     (_tamper_code, "refused: it holds more than tensors and plain values (it imports posix.system)"),
+    (_tamper_code_legacy, "refused: it holds more than tensors and plain values (it imports posix.system)"),
     (_tamper_truncate, "unreadable checkpoint"),
     (_tamper_empty, "unreadable checkpoint"),
 ])

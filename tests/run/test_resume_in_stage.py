@@ -24,6 +24,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from cl_bench.record import io as results
 from cl_bench.run import checkpoint
@@ -193,3 +194,19 @@ def test_a_resumed_run_trains_on_with_no_checkpoint_file_mapped(trace_dir, tmp_p
     monkeypatch.setattr(TorchBackend, "train_stage", train_stage)
     assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
     assert mapped == [[], []], mapped
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's mappings (Linux)")
+def test_a_kept_copy_of_a_loaded_tensor_that_requires_grad_holds_no_mapping(tmp_path):
+    """checkpoint.loaded's copies are detached: a copy made by clone() alone keeps the
+    mapped tensor in its graph (and so the file). Mutation caught: clone() alone (the
+    copy's grad_fn, CloneBackward0, leads back to the mapped tensor)."""
+    from types import SimpleNamespace
+
+    folder = tmp_path / checkpoint.CHECKPOINT_DIR
+    folder.mkdir()
+    torch.save({"method": {"w": torch.ones(3, requires_grad=True)}}, folder / "state.pt")
+    kept = checkpoint.loaded(SimpleNamespace(run_dir=tmp_path), checkpoint.CHECKPOINT_DIR).state["method"]["w"]
+    gc.collect()
+    assert kept.requires_grad and kept.grad_fn is None
+    assert str(folder) not in Path("/proc/self/maps").read_text()
