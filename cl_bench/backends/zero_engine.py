@@ -97,8 +97,22 @@ class Piece:
 
 
 def _per_value(v, p: nn.Parameter) -> bool:
-    """Whether optimiser-state entry v holds one number per value of p (Adam's moments)."""
+    """Whether optimiser-state entry v holds one number per value of p (Adam's moments).
+    Told by shape, which cannot tell them from Adam's 0-dim step where p is 0-dim:
+    every phase refuses such a p (_holdable), so nothing misread trains."""
     return isinstance(v, Piece) or (torch.is_tensor(v) and v.shape == p.shape)
+
+
+def _holdable(named: list[tuple[str, nn.Parameter]]) -> None:
+    """Refuse a 0-dim parameter, in one line that names it: DeepSpeed's engine views
+    every parameter as bytes to broadcast it (0.19.8, engine._broadcast_model), which a
+    0-dim tensor cannot be, and its optimiser state could not be told from its step
+    (_per_value)."""
+    for name, p in named:
+        if p.dim() == 0:
+            raise RuntimeError(f"parameter {name!r} is 0-dim: the deepspeed backend cannot hold it (DeepSpeed "
+                               f"views each parameter as bytes, which a 0-dim tensor cannot be); give it "
+                               f"shape (1,), as cl_bench/models/moe.py's routed_scale")
 
 
 @contextlib.contextmanager
@@ -264,6 +278,7 @@ class ZeroPhase:
         self.optimizer = optimizer
         self.zero = zero
         self.bf16 = bf16
+        _holdable(list(model.named_parameters()))
         self._params = list(model.parameters())
         self._dtypes = [p.dtype for p in self._params]
         self._shapes = [p.shape for p in self._params]  # ZeRO-3 leaves partitioned ones with shape [0]

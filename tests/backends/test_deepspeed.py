@@ -578,3 +578,20 @@ def test_a_loaded_optimiser_state_is_held_as_between_phases(zero):
             assert isinstance(held, Piece) and (held.shape, held.rank, held.ranks) == (p.shape, 2, 3), key
             mine = whole.reshape(-1)[2 * size:]
             assert torch.equal(held.value, torch.cat([mine, torch.zeros(size - mine.numel())])), key
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_a_phase_refuses_a_0_dim_parameter_by_name(zero):
+    """DeepSpeed (0.19.8) fails on a 0-dim parameter with a traceback from deep in its
+    engine ("self.dim() cannot be 0 to view Float as Byte"), and zero_engine._per_value
+    could not tell its Adam moments from its 0-dim step: a phase refuses it first, naming
+    it. Mutation caught: the check removed (the phase goes on to DeepSpeed, here None:
+    a TypeError)."""
+    from cl_bench.backends.zero_engine import ZeroPhase
+
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(2, 2)
+    model.proj.temperature = torch.nn.Parameter(torch.tensor(0.5))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match=r"parameter 'proj.temperature' is 0-dim: .* give it shape \(1,\)"):
+        ZeroPhase(None, model, optimizer, None, {}, zero, bf16=False)
