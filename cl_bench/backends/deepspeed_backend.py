@@ -84,6 +84,17 @@ def _is_present(v) -> bool:  # a section, {} too: DeepSpeed turns it on with its
     return v is not None and v is not False
 
 
+def _not_mean(v) -> bool:  # DeepSpeed lowers the value first
+    return v is not None and str(v).lower() != "mean"
+
+
+def _above_one(v) -> bool:
+    try:
+        return v is not True and float(v) > 1
+    except (TypeError, ValueError):
+        return v is not None
+
+
 REFUSED_SWITCHES = {
     "torch_autocast": ("the run's precision is deepspeed.bf16 (recorded); autocast would compute in bf16 "
                        "under a record that says fp32", _is_enabled),
@@ -96,6 +107,23 @@ REFUSED_SWITCHES = {
                                   "them", _is_present),
     "data_types": ("gradients accumulate in the dtype DeepSpeed chooses for the training precision; another is "
                    "untested with the methods' gradient edits (the ZeRO-2 gradient fragments)", _is_set),
+    # what the harness checked in DeepSpeed 0.19.8 beside these: MiCS (mics_*) is gone from it (its config
+    # refuses the keys); hpZ (zero_hpz_partition_size) keeps the optimiser state cut over every rank, as
+    # zero_engine's pieces assume; the bucket, prefetch and sub-group sizes change no partition
+    "gradient_allreduce_op": ("'sum' adds the ranks' gradients where the harness's loss weights expect their "
+                              "mean: every gradient N times larger on N ranks (ZeRO-2)", _not_mean),
+    "bf16.bf16_master_weights_and_grads": ("keeps the master weights and gradients in bf16, not fp32 (lossy, "
+                                           "and not what the record's bf16 means)", _is_set),
+    "bf16.bf16_optimizer_states": ("keeps Adam's moments in bf16, not fp32 (lossy)", _is_set),
+    "fp16.auto_cast": ("casts the inputs of the forward to fp16, fp16 off or not", _is_set),
+    "expert_parallel": ("AutoEP replaces the MoE layers it detects with its own and cuts their experts over a "
+                        "group of ranks, under the methods' expert hooks", _is_enabled),
+    "tensor_parallel.autotp_size": ("AutoTP shards each layer's weights over a group of ranks, under the "
+                                    "methods' hooks, which read whole weights", _above_one),
+    "hybrid_engine": ("the RLHF engine swaps the forward for generation and shares rank 0's random state with "
+                      "every rank; untested here", _is_enabled),
+    "autotuning": ("the autotuner ends the process after a few profiled steps, exit code 0, the run unfinished",
+                   _is_enabled),
 }
 
 

@@ -94,7 +94,17 @@ def test_deepspeed_config_file_conflicts_name_the_key_and_the_fix(tmp_path):
                               "zero_quantized_gradients")),
                            ({"zero_optimization": {"zenflow": {"topk_ratio": 0.1}}}, "zero_optimization.zenflow="),
                            ({"zero_optimization": {"zenflow": {}}}, "zero_optimization.zenflow={}"),  # its defaults
-                           ({"data_types": {"grad_accum_dtype": "fp32"}}, "data_types=")]:
+                           ({"data_types": {"grad_accum_dtype": "fp32"}}, "data_types="),
+                           # checked in DeepSpeed 0.19.8's source (the table's comment)
+                           ({"gradient_allreduce_op": "Sum"}, 'gradient_allreduce_op="Sum": \'sum\' adds'),
+                           ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
+                                      "bf16_optimizer_states": True}}, "bf16.bf16_master_weights_and_grads=true"),
+                           ({"bf16": {"bf16_optimizer_states": True}}, "bf16.bf16_optimizer_states=true"),
+                           ({"fp16": {"enabled": False, "auto_cast": True}}, "fp16.auto_cast=true"),
+                           ({"expert_parallel": {"enabled": True}}, 'expert_parallel={"enabled": true}: AutoEP'),
+                           ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size=2: AutoTP"),
+                           ({"hybrid_engine": {"enabled": True}}, 'hybrid_engine={"enabled": true}'),
+                           ({"autotuning": {"enabled": True}}, 'autotuning={"enabled": true}: the autotuner')]:
         with pytest.raises(UserError, match=re.escape(shown)):
             ds_config(config_with(content), 1, False)
     for bf16, comm in ((False, "bf16"), (True, "fp16")):
@@ -106,7 +116,9 @@ def test_deepspeed_config_file_conflicts_name_the_key_and_the_fix(tmp_path):
     with pytest.raises(UserError, match="communication_data_type='bf16' reduces gradients in a precision"):
         ds_config(config_with({"bf16": {"enabled": False}, "communication_data_type": "bf16"}), 1, True)
     for content in ({"torch_autocast": {"enabled": False}}, {"zero_optimization": {"cpu_offload": False}},
-                    {"communication_data_type": "fp32"}):  # off, or no lower than the run's
+                    {"communication_data_type": "fp32"}, {"gradient_allreduce_op": "mean"},
+                    {"tensor_parallel": {"autotp_size": 1}}, {"autotuning": {"enabled": False}},
+                    {"zero_optimization": {"zero_hpz_partition_size": 2}}):  # off, or no lower than the run's
         assert ds_config(config_with(content), 1, True)
     built = ds_config(config_with({"train_batch_size": "auto", "zero_optimization": {"overlap_comm": True}},
                                   zero="3"), 1, False)
