@@ -46,7 +46,7 @@ def cmd_run(args) -> int:
     from cl_bench.run import resume
     from cl_bench.run.checks import check_config
     from cl_bench.run.prepare import prepare
-    from cl_bench.report.text import format_matrix
+    from cl_bench.report.text import format_matrix, resume_command
     from cl_bench.run.sequencer import execute
 
     resuming = None
@@ -94,7 +94,7 @@ def cmd_run(args) -> int:
         record = execute(run, keep_checkpoint=args.keep_checkpoint, stop=stop)
     except KeyboardInterrupt:
         if run.backend.is_main:
-            print(f"\n{resume.left_by_interrupt(run)}", file=sys.stderr)
+            print(f"\n{resume.left_by_interrupt(run, resume_command(run.record, run.run_dir))}", file=sys.stderr)
         return EXIT_INTERRUPTED
     if run.backend.is_main:
         print(format_matrix(record, record.intervals))

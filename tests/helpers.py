@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
+import subprocess
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -276,6 +279,33 @@ def small_buckets(tmp_path: Path) -> Path:
 
 def deepspeed_args(tmp_path: Path, zero: int) -> list[str]:
     return ["--backend", "deepspeed", "--zero", str(zero), "--set", f"deepspeed.config={small_buckets(tmp_path)}"]
+
+
+def launch_env() -> dict:
+    """The environment of a `cl-bench` started as its own process (a launch of ranks):
+    this checkout's cl_bench and tests/ first, one thread, a hung collective failing
+    within 3 minutes, and none of this process's rank variables (it is not a rank)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(map(str, (root / "tests", root))),
+           "CL_BENCH_DIST_TIMEOUT_MIN": "3"}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def signal_once_saved(proc: subprocess.Popen, run_dir: Path, sig: int) -> tuple[int, str]:
+    """Send `sig` to `proc` once stage 1 is saved (record and checkpoint); its exit
+    code and output. The deadline guards against a hang, not a speed: on a loaded machine
+    (CI's other xdist worker beside two DeepSpeed ranks, other work) the launch and stage 1
+    have taken over 300 s."""
+    deadline = time.monotonic() + 600
+    while not checkpoint.has_checkpoint(run_dir):
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=120)
+    return proc.returncode, out
 
 
 def interrupted_ds_run(monkeypatch, *argv, at_stage: int, after_step: int | None = None) -> Path:

@@ -85,16 +85,32 @@ def format_matrix(record: RunRecord, intervals: dict | None = None) -> str:
     return "\n".join(out)
 
 
+def resume_command(record: RunRecord, run_dir: Path) -> str:
+    """The command that continues the run in `run_dir` (an interrupt's line, `cl-bench
+    show`'s): --resume, with the flags of its last launch that say how it ran
+    (cli_parser.launch_flags: --nproc N, --keep-checkpoint), from the record's commands."""
+    import shlex
+
+    from cl_bench.cli_parser import launch_flags
+    from cl_bench.errors import program
+
+    last = (record.resumes or [{}])[-1].get("command") or record.command or ""
+    try:
+        words = shlex.split(last)[1:]
+    except ValueError:  # not a shell line: an edited record
+        words = []
+    return shlex.join([program(), "run", "--resume", str(run_dir), *launch_flags(words)])
+
+
 def status_line(record: RunRecord, run_dir: Path) -> str:
     """`cl-bench show` of a run that is not complete: where it stands and what to do, in one line."""
-    from cl_bench.errors import program
     from cl_bench.record.io import LOCK_FILE, is_running
 
     done = f"{record.stages_done} of {len(record.stages)} stages done"
     if is_running(run_dir):
         pid = (run_dir / LOCK_FILE).read_text(encoding="utf-8").strip() or "unknown"
         return f"status: running (PID {pid}), {done}; the matrix fills in as stages finish"
-    again = f"continue with: {program()} run --resume {run_dir}"
+    again = f"continue with: {resume_command(record, run_dir)}"
     if record.status == "running":  # its process is gone without writing its end
         return f"status: stopped ({record.status} when its process ended: killed?), {done}; {again}"
     why = f" ({record.error})" if record.error else ""

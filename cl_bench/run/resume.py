@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cl_bench.config import build
-from cl_bench.errors import UserError, program
+from cl_bench.errors import UserError
 from cl_bench.record import io as results
 from cl_bench.run.machine import calibration
 from cl_bench.record.schema import RunRecord
@@ -249,10 +249,10 @@ def enter_in_stage(run: Run, at: InStage) -> None:
                  at.stage + 1, at.step, at.phase + 1)
 
 
-def left_by_interrupt(run: Run) -> str:
+def left_by_interrupt(run: Run, again: str) -> str:
     """What an interrupt leaves, in one line: resume continues after the last checkpoint,
-    or, with none yet, starts the run again in its folder."""
-    again = f"{program()} run --resume {run.run_dir}"
+    or, with none yet, starts the run again in its folder. `again`: the command that
+    does either (report.text.resume_command)."""
     done, total = run.record.stages_done, len(run.stages)
     if checkpoint.has_checkpoint(run.run_dir, STEP_CHECKPOINT_DIR):
         return (f"interrupted; {done} of {total} stages are saved, and stage {done + 1} up to its last in-stage "

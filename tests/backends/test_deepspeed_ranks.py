@@ -22,7 +22,8 @@ resumed ZeRO-3 upcycle run fails; rank 0's piece cut again from rank 1's values 
 a checkpoint, and a carried piece not set into the next phase's engine, losses differ
 from stage 2 on); only rank 0 writes, logs and shows progress;
 care and same on 3 ranks, one running a padding copy; mofo on 3 ranks at ZeRO-3, where
-the ranks do not divide the weights' sizes; a rank whose state parts from rank 0's
+the ranks do not divide the weights' sizes, stopped with SIGTERM and resumed by the line
+it printed (--nproc 3 carried; each rank's piece of the loaded moments padded); a rank whose state parts from rank 0's
 stops the run where it differs exactly and is warned of where a float drifts
 (Backend.same_on_every_rank; mutation caught: the comparison left out, both fail).
 
@@ -77,7 +78,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
+import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -88,8 +90,8 @@ import torch
 from cl_bench.backends.deepspeed_backend import DeepSpeedBackend
 from cl_bench.backends.zero_engine import Piece, ZeroPhase
 from cl_bench.run import checkpoint
-from helpers import (assert_follows_fp32, assert_same_run, deepspeed_args, interrupted_ds_run, make_trace, only_run,
-                     run_cli, smoke_args, small_buckets, tied_tiny_llama)
+from helpers import (assert_follows_fp32, assert_same_run, deepspeed_args, interrupted_ds_run, launch_env, make_trace,
+                     only_run, run_cli, signal_once_saved, smoke_args, small_buckets, tied_tiny_llama)
 
 # two-rank launches, about a minute each; one at a time under xdist (pyproject.toml's markers)
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deepspeed-ranks")]
@@ -287,15 +289,6 @@ def _optimizer_state(run_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
     return {names[i]: {k: v for k, v in s.items() if k != "step"} for i, s in state.items()}
 
 
-def _launch_env() -> dict:
-    here = Path(__file__).parents  # tests/ (helpers) and this checkout's cl_bench, not the installed one's
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(map(str, (here[1], here[2]))),
-           "CL_BENCH_DIST_TIMEOUT_MIN": "3"}  # a hung collective fails the test instead of the CI run
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)  # this process is not a rank
-    return env
-
-
 def _shm_buffers() -> set[Path]:
     """DeepSpeed's CPU all-reduce buffers; the backend unlinks each rank's own."""
     return set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
@@ -313,7 +306,7 @@ def test_two_ranks_agree_with_one(tmp_path):
     tied_tiny_llama(out / "tied")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_port", str(_port()), __file__, str(out)],
-                          env=_launch_env(), capture_output=True, text=True, timeout=800)
+                          env=launch_env(), capture_output=True, text=True, timeout=800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     one = tmp_path / "one"
@@ -377,7 +370,7 @@ def test_cli_starts_its_ranks_and_only_rank_zero_speaks(trace_dir, tmp_path):
     argv = [a for a in smoke_args(trace_dir, out, "--method", "upcycle", "--nproc", "2", "--run-id", "r",
                                   "--keep-checkpoint", *deepspeed_args(tmp_path, 3)) if a != "--no-progress"]
     before = _shm_buffers()
-    done = subprocess.run([sys.executable, "-m", "cl_bench.cli", *map(str, argv)], env=_launch_env(),
+    done = subprocess.run([sys.executable, "-m", "cl_bench.cli", *map(str, argv)], env=launch_env(),
                           capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert _shm_buffers() <= before  # no shared-memory buffer left behind
@@ -410,28 +403,42 @@ def test_three_ranks_the_padding_copy_feeds_no_statistic(trace_dir, tmp_path, me
     one, three = tmp_path / "one", tmp_path / "three"
     assert run_cli(*smoke_args(trace_dir, one, "--method", method)) == 0
     argv = smoke_args(trace_dir, three, "--method", method, "--nproc", "3", *deepspeed_args(tmp_path, 2))
-    done = subprocess.run([sys.executable, "-m", "cl_bench.cli", *map(str, argv)], env=_launch_env(),
+    done = subprocess.run([sys.executable, "-m", "cl_bench.cli", *map(str, argv)], env=launch_env(),
                           capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert json.loads((only_run(three) / "run.json").read_text())["backend"]["world_size"] == 3
     assert_same_run(only_run(one), only_run(three))
 
 
-def test_three_ranks_zero3_where_the_ranks_do_not_divide_a_weight(trace_dir, tmp_path):
+def test_three_ranks_zero3_where_the_ranks_do_not_divide_a_weight_stopped_and_resumed(trace_dir, tmp_path):
     """mofo (α 0.05) at ZeRO-3 on 3 ranks: the tiny model's sizes (16576 values, say) are
-    not multiples of 3, so the last rank's partition of each is padded; the optimiser
-    state carried into stage 2 is set piece by piece (zero_engine's _set_full), mofo's
-    top-α filter reads each matrix's |momentum| assembled over uneven pieces, and the
-    run and its final weights are the torch backend's."""
+    not multiples of 3, so the last rank's partition of each is padded; mofo's top-α
+    filter reads each matrix's |momentum| assembled over uneven pieces. The launch is
+    stopped (SIGTERM) once stage 1 is saved and resumed by the line it printed (with
+    --nproc 3 and --keep-checkpoint, cli_parser.launch_flags): each rank's piece
+    of the checkpoint's moments is cut as ZeRO-3 cuts them (load_held), set piece by piece
+    (_set_full), and carried again into the next stage (close()). The run and its final
+    weights are the torch backend's. Mutation caught: load_held's piece size rounded
+    down, not up (the resumed launch fails: a piece of 5525 values for ds_tensor's 5526)."""
     one, three = tmp_path / "one", tmp_path / "three"
     args = ["--method", "mofo", "--method-arg", "alpha=0.05", "--keep-checkpoint"]
     assert run_cli(*smoke_args(trace_dir, one, *args)) == 0
-    argv = smoke_args(trace_dir, three, *args, "--nproc", "3", *deepspeed_args(tmp_path, 3))
-    done = subprocess.run([sys.executable, "-m", "cl_bench.cli", *map(str, argv)], env=_launch_env(),
+    argv = smoke_args(trace_dir, three, *args, "--nproc", "3", "--run-id", "r", *deepspeed_args(tmp_path, 3))
+    proc = subprocess.Popen([sys.executable, "-m", "cl_bench.cli", *map(str, argv)], env=launch_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    code, out = signal_once_saved(proc, three / "r", signal.SIGTERM)
+    assert code == 130, out[-3000:]
+    assert json.loads((three / "r" / "run.json").read_text())["stages_done"] in (1, 2)
+    line = next(line for line in out.splitlines() if "continue with: " in line)  # the line it printed
+    said = shlex.split(line.split("continue with: ", 1)[1])
+    assert said[1:] == ["run", "--resume", str(three / "r"), "--nproc", "3", "--keep-checkpoint"], said
+    done = subprocess.run([sys.executable, "-m", "cl_bench.cli", *said[1:], "--no-progress"], env=launch_env(),
                           capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert_same_run(only_run(one), only_run(three))
-    weights = [checkpoint.load_checkpoint(only_run(d))["model"] for d in (one, three)]
+    record = json.loads((three / "r" / "run.json").read_text())
+    assert record["backend"]["world_size"] == 3 and len(record["resumes"]) == 1
+    assert_same_run(only_run(one), three / "r")
+    weights = [checkpoint.load_checkpoint(d)["model"] for d in (only_run(one), three / "r")]
     for name, value in weights[0].items():
         assert torch.allclose(weights[1][name], value, rtol=0, atol=1e-5), name
 

@@ -23,7 +23,15 @@ def test_show_says_how_far_a_run_that_is_not_complete_is(trace_dir, tmp_path, mo
     assert line.startswith("status: interrupted (KeyboardInterrupt") and line.endswith(
         f", 1 of 3 stages done; continue with: cl-bench run --resume {run_dir}"), line
 
+    # the flags that say how it was launched, from its last launch (tests/test_cli_resume_flags.py;
+    # mutation caught: status_line's `again` without them)
     record = json.loads((run_dir / results.RUN_FILE).read_text())
+    edited = {**record, "command": "cl-bench run --backend deepspeed --nproc 4 --keep-checkpoint"}
+    (run_dir / results.RUN_FILE).write_text(json.dumps(edited))
+    assert _show(capsys, run_dir).endswith(f"--resume {run_dir} --nproc 4 --keep-checkpoint")
+    (run_dir / results.RUN_FILE).write_text(json.dumps({**edited, "resumes": [
+        {"at_stage": 1, "command": f"cl-bench run --resume {run_dir} --nproc 2"}]}))
+    assert _show(capsys, run_dir).endswith(f"--resume {run_dir} --nproc 2")
     record["status"] = "running"
     (run_dir / results.RUN_FILE).write_text(json.dumps(record))
     assert _show(capsys, run_dir).startswith("status: stopped (running when its process ended: killed?), 1 of 3")

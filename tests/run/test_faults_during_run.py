@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shlex
 import sys
 
 import pytest
@@ -164,16 +165,18 @@ def test_resume_of_a_folder_without_its_stage_checkpoint_refuses_and_changes_not
 
 # ---- an interrupt says what it leaves, and --resume does what it said ----------
 
-@pytest.mark.parametrize("at_stage, message, venv", [
+@pytest.mark.parametrize("at_stage, message, venv, launch", [
     (0, "interrupted before the first stage was saved; nothing to keep; start it again with: cl-bench run --resume",
-     False),
-    (1, "interrupted; 1 of 3 stages are saved; continue with: cl-bench run --resume", False),
+     False, []),
+    # a flag that says how the run runs, not what (cli_parser.RUN_LAUNCH_FLAGS), is given again
+    # (mutation caught: the line without it: the resumed run deletes the checkpoint it was to keep)
+    (1, "interrupted; 1 of 3 stages are saved; continue with: cl-bench run --resume", False, ["--keep-checkpoint"]),
     # started as `make main` starts it, its venv not activated: the line names the program's path
-    (1, "interrupted; 1 of 3 stages are saved; continue with: .venv/bin/cl-bench run --resume", True),
+    (1, "interrupted; 1 of 3 stages are saved; continue with: .venv/bin/cl-bench run --resume", True, []),
 ])
 @pytest.mark.slow
 def test_interrupt_message_is_true_and_resume_finishes(trace_dir, tmp_path, monkeypatch, capsys, at_stage, message,
-                                                       venv):
+                                                       venv, launch):
     if venv:
         script = tmp_path / ".venv" / "bin" / "cl-bench"
         script.parent.mkdir(parents=True)
@@ -183,11 +186,13 @@ def test_interrupt_message_is_true_and_resume_finishes(trace_dir, tmp_path, monk
         monkeypatch.setattr(sys, "argv", [".venv/bin/cl-bench"])
         monkeypatch.setenv("PATH", "/usr/bin:/bin")
     capsys.readouterr()
-    run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, tmp_path / "runs"), at_stage=at_stage)
+    run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, tmp_path / "runs"), *launch, at_stage=at_stage)
     err = one_line_error(capsys)
-    assert message in err and str(run_dir) in err
+    assert message in err and err.endswith(shlex.join([str(run_dir), *launch]))
     assert json.loads((run_dir / "run.json").read_text())["error"].startswith("KeyboardInterrupt")
-    assert run_cli("run", "--resume", run_dir, "--no-progress") == 0
+    said = shlex.split(err.split(" with: ", 1)[1])
+    assert run_cli(*said[1:], "--no-progress") == 0  # the command it gave, as the program runs it
+    assert checkpoint.has_checkpoint(run_dir) == bool(launch)
     record = json.loads((run_dir / "run.json").read_text())
     assert record["status"] == "complete" and "error" not in record
     assert record["resumes"][-1]["at_stage"] == at_stage

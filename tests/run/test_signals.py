@@ -33,11 +33,10 @@ from pathlib import Path
 
 import pytest
 
-from cl_bench.run import checkpoint
 from cl_bench.run import signals
-from helpers import assert_same_run, deepspeed_args, make_trace, only_run, run_cli, smoke_args
+from helpers import (assert_same_run, deepspeed_args, launch_env, make_trace, only_run, run_cli, signal_once_saved,
+                     smoke_args)
 
-ROOT = Path(__file__).resolve().parents[2]
 LONG = ["--set", "train.epochs=20"]  # stages of a few seconds, so a signal lands inside one
 
 
@@ -124,16 +123,8 @@ def test_a_swallowed_interrupt_stops_at_the_next_step_or_batch(monkeypatch, trac
     assert after == 0  # nothing ran after the step or batch in which the signal came
 
 
-def _env() -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}",
-           "CL_BENCH_DIST_TIMEOUT_MIN": "3"}
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
-
-
 def _start(argv: list) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "cl_bench.cli", *map(str, argv)], env=_env(),
+    return subprocess.Popen([sys.executable, "-m", "cl_bench.cli", *map(str, argv)], env=launch_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -142,21 +133,6 @@ def _record(run_dir: Path) -> dict:
         return json.loads((run_dir / "run.json").read_text())
     except (OSError, ValueError):
         return {}
-
-
-def _signal_in_stage_2(proc: subprocess.Popen, run_dir: Path, sig: int) -> tuple[int, str]:
-    """Send `sig` to `proc` once stage 1 is saved (record and checkpoint); its exit
-    code and output. The deadline guards against a hang, not a speed: on a loaded machine
-    (CI's other xdist worker beside two DeepSpeed ranks, other work) the launch and stage 1
-    have taken over 300 s."""
-    deadline = time.monotonic() + 600
-    while not checkpoint.has_checkpoint(run_dir):
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    proc.send_signal(sig)
-    out, _ = proc.communicate(timeout=120)
-    return proc.returncode, out
 
 
 _STARTING = """
@@ -177,7 +153,7 @@ sys.exit(cli.main())
 @pytest.mark.slow
 def test_a_signal_while_run_starts_ends_it_with_130_and_one_line(trace_dir, tmp_path, sig, delay):
     argv = smoke_args(trace_dir, tmp_path / "runs", "--run-id", "r")
-    done = subprocess.run([sys.executable, "-c", _STARTING, sig, str(delay), *map(str, argv)], env=_env(),
+    done = subprocess.run([sys.executable, "-c", _STARTING, sig, str(delay), *map(str, argv)], env=launch_env(),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 130, (done.returncode, done.stderr[-3000:])
     last = done.stderr.strip().splitlines()[-1]
@@ -189,7 +165,7 @@ def test_a_signal_while_run_starts_ends_it_with_130_and_one_line(trace_dir, tmp_
 @pytest.mark.slow
 def test_sigterm_records_interrupted_and_resume_finishes(trace_dir, tmp_path):
     run_dir = tmp_path / "runs" / "r"
-    code, out = _signal_in_stage_2(_start(smoke_args(trace_dir, tmp_path / "runs", "--run-id", "r", *LONG)),
+    code, out = signal_once_saved(_start(smoke_args(trace_dir, tmp_path / "runs", "--run-id", "r", *LONG)),
                                    run_dir, signal.SIGTERM)
     assert code == 130, out[-3000:]
     record = _record(run_dir)
@@ -236,7 +212,7 @@ print(json.dumps({"done": (d / "done").exists(), "fired": stop.fired, "waited_s"
 def test_the_launchers_group_gets_the_signal_and_is_waited_for(tmp_path):
     for name, text in (("launcher.py", FAKE_LAUNCHER), ("rank.py", FAKE_RANK), ("driver.py", DRIVER)):
         (tmp_path / name).write_text(textwrap.dedent(text))
-    done = subprocess.run([sys.executable, str(tmp_path / "driver.py"), str(tmp_path)], env=_env(),
+    done = subprocess.run([sys.executable, str(tmp_path / "driver.py"), str(tmp_path)], env=launch_env(),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.splitlines()[-1])
@@ -265,7 +241,7 @@ def test_sigterm_to_a_deepspeed_launch_stops_every_rank_with_one_record(tmp_path
     out = tmp_path / "ds-runs"
     run_dir = out / "r"
     argv = smoke_args(trace, out, "--nproc", "2", "--run-id", "r", *LONG, *deepspeed_args(tmp_path, 2))
-    code, text = _signal_in_stage_2(_start(argv), run_dir, signal.SIGTERM)
+    code, text = signal_once_saved(_start(argv), run_dir, signal.SIGTERM)
     assert code == 130, text[-3000:]
     assert _processes_naming(str(out)) == []  # no launcher, no rank left
     record = _record(run_dir)
@@ -273,7 +249,7 @@ def test_sigterm_to_a_deepspeed_launch_stops_every_rank_with_one_record(tmp_path
     time.sleep(2)
     assert _record(run_dir) == record  # nothing wrote "complete" afterwards
     resumed = subprocess.run([sys.executable, "-m", "cl_bench.cli", "run", "--resume", str(run_dir),
-                              "--nproc", "2", "--no-progress"], env=_env(), capture_output=True, text=True,
+                              "--nproc", "2", "--no-progress"], env=launch_env(), capture_output=True, text=True,
                              timeout=400)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert _record(run_dir)["status"] == "complete"

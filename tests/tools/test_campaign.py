@@ -250,6 +250,18 @@ def test_a_resumed_run_takes_the_commit_it_started_from_and_says_what_the_line_c
     assert "is resumed as recorded, though the line now asks for method_args.lr 0.001 -> 0.01" in said
 
 
+def test_a_resumed_run_is_launched_as_its_line_launches_it():
+    """The line's --nproc and --keep-checkpoint, which its record's config does not hold,
+    reach the resume (cli_parser.launch_flags), or a preempted run of N ranks would go on
+    in one process (Slurm requeues through this command too). Mutation caught: the
+    resume's command without them."""
+    entry = Entry(Path("results/x"), ["--profile", "smoke", "--backend", "deepspeed", "--zero", "3", "--nproc", "8",
+                                      "--keep-checkpoint", "--set", "train.epochs=2"], line=1)
+    assert launch.command(entry, resume=True)[-6:] == ["--resume", "results/x", "--nproc", "8", "--keep-checkpoint",
+                                                      "--no-progress"]
+    assert launch.command(entry, resume=False)[5:5 + len(entry.flags)] == entry.flags
+
+
 @pytest.mark.parametrize("line, says", [
     ("results/x --profile smoke", "write '<output dir>/<run id>: <cl-bench run flags>'"),
     ("results/x: --profile smoke --run-id=y", "drop --run-id"),
