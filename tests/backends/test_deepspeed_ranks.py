@@ -79,6 +79,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -417,8 +418,9 @@ def test_three_ranks_zero3_where_the_ranks_do_not_divide_a_weight_stopped_and_re
     stopped (SIGTERM) once stage 1 is saved and resumed by the line it printed (with
     --nproc 3 and --keep-checkpoint, cli_parser.launch_flags): each rank's piece
     of the checkpoint's moments is cut as ZeRO-3 cuts them (load_held), set piece by piece
-    (_set_full), and carried again into the next stage (close()). The run and its final
-    weights are the torch backend's. Mutation caught: load_held's piece size rounded
+    (_set_full), and carried again into the next stage (close()). A copy of the stopped
+    run goes on in one process instead (the rank count may change on --resume). Both runs
+    and their final weights are the torch backend's. Mutation caught: load_held's piece size rounded
     down, not up (the resumed launch fails: a piece of 5525 values for ds_tensor's 5526)."""
     one, three = tmp_path / "one", tmp_path / "three"
     args = ["--method", "mofo", "--method-arg", "alpha=0.05", "--keep-checkpoint"]
@@ -429,6 +431,7 @@ def test_three_ranks_zero3_where_the_ranks_do_not_divide_a_weight_stopped_and_re
     code, out = signal_once_saved(proc, three / "r", signal.SIGTERM)
     assert code == 130, out[-3000:]
     assert json.loads((three / "r" / "run.json").read_text())["stages_done"] in (1, 2)
+    moved = shutil.copytree(three / "r", tmp_path / "moved" / "r")  # to go on on another rank count
     line = next(line for line in out.splitlines() if "continue with: " in line)  # the line it printed
     said = shlex.split(line.split("continue with: ", 1)[1])
     assert said[1:] == ["run", "--resume", str(three / "r"), "--nproc", "3", "--keep-checkpoint"], said
@@ -438,9 +441,15 @@ def test_three_ranks_zero3_where_the_ranks_do_not_divide_a_weight_stopped_and_re
     record = json.loads((three / "r" / "run.json").read_text())
     assert record["backend"]["world_size"] == 3 and len(record["resumes"]) == 1
     assert_same_run(only_run(one), three / "r")
-    weights = [checkpoint.load_checkpoint(d)["model"] for d in (only_run(one), three / "r")]
+    # the same run when it goes on in one process (the whole checkpoint cut for 1 rank)
+    assert run_cli("run", "--resume", moved, "--keep-checkpoint", "--no-progress") == 0  # here, 1 rank
+    record = json.loads((moved / "run.json").read_text())
+    assert record["backend"]["world_size"] == 3 and record["resumes"][0]["backend"]["world_size"] == 1
+    assert_same_run(only_run(one), moved)
+    weights = [checkpoint.load_checkpoint(d)["model"] for d in (only_run(one), three / "r", moved)]
     for name, value in weights[0].items():
-        assert torch.allclose(weights[1][name], value, rtol=0, atol=1e-5), name
+        for other in weights[1:]:
+            assert torch.allclose(other[name], value, rtol=0, atol=1e-5), name
 
 
 def _port() -> int:
