@@ -112,6 +112,8 @@ REFUSED_SWITCHES = {
     # zero_engine's pieces assume; the bucket, prefetch and sub-group sizes change no partition
     "gradient_allreduce_op": ("'sum' adds the ranks' gradients where the harness's loss weights expect their "
                               "mean: every gradient N times larger on N ranks (ZeRO-2)", _not_mean),
+    "bfloat16": ("the old name of the bf16 section, which DeepSpeed reads only where bf16 is absent (never: the "
+                 "harness writes bf16), so it would be ignored; write it as bf16", _is_present),
     "bf16.bf16_master_weights_and_grads": ("keeps the master weights and gradients in bf16, not fp32 (lossy, "
                                            "and not what the record's bf16 means)", _is_set),
     "bf16.bf16_optimizer_states": ("keeps Adam's moments in bf16, not fp32 (lossy)", _is_set),
