@@ -101,34 +101,6 @@ RUN_CONFIG_FLAGS = ("method", "model", "profile", "config", "seed", "benchmark",
                     "output_dir", "run_id", "method_arg", "set", "eval_all", "backend", "zero", "log", "tuned")
 
 
-# Flags of `run` that say how it runs, not what it computes: --resume takes them (as all
-# but RUN_CONFIG_FLAGS), and must be given them again, or a run launched on N ranks goes
-# on in one process and its kept checkpoint is deleted at its end. So the line an
-# interrupt prints, `cl-bench show`'s and a campaign's resume carry them (launch_flags).
-RUN_LAUNCH_FLAGS = ("nproc", "keep_checkpoint")
-
-
-def launch_flags(argv: list[str]) -> list[str]:
-    """The RUN_LAUNCH_FLAGS that `cl-bench` arguments `argv` (a run's command as recorded,
-    without the program) give, as flags again; none where argv is not a `run` that this
-    version reads (an older record's)."""
-    import contextlib
-    import io
-
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            args = build_parser().parse_args(argv)
-        except SystemExit:
-            return []
-    if args.command != "run":
-        return []
-    flags: list[str] = []
-    for key in RUN_LAUNCH_FLAGS:
-        value, flag = getattr(args, key), f"--{key.replace('_', '-')}"
-        flags += [flag] if value is True else [] if value in (None, False) else [flag, str(value)]
-    return flags
-
-
 def run_overrides(args) -> dict:
     """The config fields that `run`'s flags set, nested as in a config file."""
     from cl_bench.config import set_dotted

@@ -19,14 +19,21 @@ def did_you_mean(name: str, choices) -> str:
     return f"did you mean '{close[0]}'? " if close else ""
 
 
+# A launch's ranks run `python -m cl_bench.cli`: its launcher tells them how it was called.
+PROGRAM_ENV = "CL_BENCH_PROGRAM"
+
+
 def program() -> str:
     """How to call cl-bench again from here, for the commands messages suggest:
     `cl-bench` where that name on PATH is the program running, else the path it was
-    started by (`.venv/bin/cl-bench` after `make main`, which does not activate the venv)."""
+    started by (`.venv/bin/cl-bench` after `make main`, which does not activate the venv);
+    in a rank of `--nproc N`, its launcher's."""
     import os
     import shutil
     import sys
 
+    if os.environ.get(PROGRAM_ENV):
+        return os.environ[PROGRAM_ENV]
     started = sys.argv[0] if sys.argv else ""
     if os.path.basename(started) != "cl-bench":  # python -m cl_bench.cli, or a test
         return "cl-bench"
@@ -35,3 +42,47 @@ def program() -> str:
         return "cl-bench"
     here = os.path.relpath(os.path.abspath(started))
     return here if not here.startswith("..") and os.sep in here else os.path.abspath(started)
+
+
+# The flags of `cl-bench run` that say how a run runs, not what it computes: its config
+# does not hold them, so --resume must be given them again, or a run launched on N ranks
+# goes on in one process and its kept checkpoint is deleted at its end (every line that
+# says how to continue a run carries them: resume_line).
+LAUNCH_FLAGS = {"--nproc": int, "--keep-checkpoint": bool}
+
+
+def launch_flags(argv: list[str]) -> list[str]:
+    """The LAUNCH_FLAGS that the `cl-bench` arguments `argv` give (a recorded command's,
+    without the program), as flags again, read as `run`'s parser reads them
+    (abbreviations and --nproc=N too); the rest of argv, readable or not, is passed over."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    for flag, kind in LAUNCH_FLAGS.items():
+        parser.add_argument(flag, **({"action": "store_true"} if kind is bool else {"type": kind}))
+    try:
+        args, _ = parser.parse_known_args(argv)
+    except argparse.ArgumentError:  # --nproc without a whole number: a command that never ran
+        return []
+    flags: list[str] = []
+    for flag, kind in LAUNCH_FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        flags += ([flag] if value else []) if kind is bool else [] if value is None else [flag, str(value)]
+    return flags
+
+
+def resume_line(run_dir, command: str | None = None) -> str:
+    """The command that continues the run in `run_dir`: --resume with the launch flags of
+    `command` (a run's command line as recorded), by default of this process's own (a
+    rank's: its launcher's, CL_BENCH_COMMAND)."""
+    import os
+    import shlex
+    import sys
+
+    if command is None:
+        command = os.environ.get("CL_BENCH_COMMAND") or shlex.join(["cl-bench", *sys.argv[1:]])
+    try:
+        words = shlex.split(command)[1:]
+    except ValueError:  # not a shell line: an edited record
+        words = []
+    return shlex.join([program(), "run", "--resume", str(run_dir), *launch_flags(words)])

@@ -54,6 +54,9 @@ class Backend:
         process they are whole already."""
         return contextlib.nullcontext()
 
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Refuse, as the run starts, a model this backend cannot train (UserError)."""
+
     def load_optimizer(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         """A checkpoint's optimiser state into the run's `optimizer` (--resume, between
         phases), held as this backend holds it there; in one process, torch's

@@ -53,7 +53,7 @@ import yaml
 from cl_bench.backends.base import Backend
 from cl_bench.step_gradients import Fragment, StepGradients
 from cl_bench.backends.loop import Job, StepCallback, run_phase, seeded
-from cl_bench.backends.zero_engine import ZeroPhase, load_held, whole_state
+from cl_bench.backends.zero_engine import ZERO_DIM, ZeroPhase, load_held, whole_state, zero_dim
 from cl_bench.config import RunConfig
 from cl_bench.errors import UserError
 from cl_bench.eval.generation import greedy_generate
@@ -474,6 +474,12 @@ class DeepSpeedBackend(Backend):
             if optimizer is not None:
                 stack.enter_context(whole_state(optimizer, self.device, keep=self.is_main))
             yield
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        name = zero_dim(model.named_parameters())
+        if name is not None:
+            raise UserError(f"{self.config.model}: parameter {name!r} is 0-dim: {ZERO_DIM}; run it with "
+                            f"--backend torch")
 
     def load_optimizer(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         """Held as a phase's close() leaves it: in host memory, and at ZeRO-3 each rank

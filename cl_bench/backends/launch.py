@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from cl_bench.errors import UserError
+from cl_bench.errors import PROGRAM_ENV, UserError, program
 
 
 def must_launch(nproc: int, config) -> bool:
@@ -43,6 +43,6 @@ def launch(nproc: int, argv: list[str], command_line: str) -> tuple[int, bool]:
 
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
                 "--master_port", str(free_port()), "--no_local_rank", "--module", "cl_bench.cli"]
-    env = {**os.environ, "CL_BENCH_COMMAND": command_line}
+    env = {**os.environ, "CL_BENCH_COMMAND": command_line, PROGRAM_ENV: program()}
     code, stop = signals.wait_forwarding(signals.start_group([*launcher, *argv], env))
     return code, stop.fired

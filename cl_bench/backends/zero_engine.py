@@ -103,16 +103,26 @@ def _per_value(v, p: nn.Parameter) -> bool:
     return isinstance(v, Piece) or (torch.is_tensor(v) and v.shape == p.shape)
 
 
-def _holdable(named: list[tuple[str, nn.Parameter]]) -> None:
-    """Refuse a 0-dim parameter, in one line that names it: DeepSpeed's engine views
-    every parameter as bytes to broadcast it (0.19.8, engine._broadcast_model), which a
-    0-dim tensor cannot be, and its optimiser state could not be told from its step
-    (_per_value)."""
-    for name, p in named:
-        if p.dim() == 0:
-            raise RuntimeError(f"parameter {name!r} is 0-dim: the deepspeed backend cannot hold it (DeepSpeed "
-                               f"views each parameter as bytes, which a 0-dim tensor cannot be); give it "
-                               f"shape (1,), as cl_bench/models/moe.py's routed_scale")
+ZERO_DIM = ("the deepspeed backend cannot hold it (DeepSpeed views each parameter as bytes to broadcast it, "
+            "0.19.8's engine._broadcast_model, which a 0-dim tensor cannot be)")
+
+
+def zero_dim(named) -> str | None:
+    """The name of the first 0-dim parameter of (name, parameter) pairs, or None. The
+    deepspeed backend refuses such a parameter (ZERO_DIM): as the run starts (the
+    model's) and as each phase starts (_holdable: one a method added), since its
+    optimiser state could not be told from Adam's step either (_per_value)."""
+    return next((name for name, p in named if p.dim() == 0), None)
+
+
+def _holdable(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A phase refuses a 0-dim parameter of the model or of the optimiser's groups, by name."""
+    named = [*model.named_parameters(), *((f"param_groups[{g}].params[{i}]", p) for g, group in
+                                          enumerate(optimizer.param_groups) for i, p in enumerate(group["params"]))]
+    name = zero_dim(named)
+    if name is not None:
+        raise RuntimeError(f"parameter {name!r} is 0-dim: {ZERO_DIM}; give it shape (1,), as "
+                           f"cl_bench/models/moe.py's routed_scale")
 
 
 @contextlib.contextmanager
@@ -278,7 +288,7 @@ class ZeroPhase:
         self.optimizer = optimizer
         self.zero = zero
         self.bf16 = bf16
-        _holdable(list(model.named_parameters()))
+        _holdable(model, optimizer)
         self._params = list(model.parameters())
         self._dtypes = [p.dtype for p in self._params]
         self._shapes = [p.shape for p in self._params]  # ZeRO-3 leaves partitioned ones with shape [0]

@@ -18,7 +18,7 @@ from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
 
-from cl_bench.errors import UserError, program
+from cl_bench.errors import UserError, resume_line
 from cl_bench.record.schema import RunRecord
 
 RUN_FILE = "run.json"
@@ -154,7 +154,7 @@ def append_metrics(run_dir: Path, rows: list[dict]) -> None:
 def _cannot_write(run_dir: Path, exc: Exception) -> UserError:
     reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
     return UserError(f"{run_dir}: cannot write the run's files ({reason}); the last checkpoint is "
-                     f"kept: free space or fix permissions, then {program()} run --resume {run_dir}")
+                     f"kept: free space or fix permissions, then {resume_line(run_dir)}")
 
 
 def ensure_writable(directory: Path) -> None:

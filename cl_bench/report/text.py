@@ -86,20 +86,18 @@ def format_matrix(record: RunRecord, intervals: dict | None = None) -> str:
 
 
 def resume_command(record: RunRecord, run_dir: Path) -> str:
-    """The command that continues the run in `run_dir` (an interrupt's line, `cl-bench
-    show`'s): --resume, with the flags of its last launch that say how it ran
-    (cli_parser.launch_flags: --nproc N, --keep-checkpoint), from the record's commands."""
-    import shlex
+    """What continues the run in `run_dir` (an interrupt's line, `cl-bench show`'s): --resume
+    with the launch flags of its last command (errors.resume_line: --nproc N,
+    --keep-checkpoint); for ranks started by an outer launcher, which no flag gives, how."""
+    from cl_bench.errors import launch_flags, resume_line
 
-    from cl_bench.cli_parser import launch_flags
-    from cl_bench.errors import program
-
-    last = (record.resumes or [{}])[-1].get("command") or record.command or ""
-    try:
-        words = shlex.split(last)[1:]
-    except ValueError:  # not a shell line: an edited record
-        words = []
-    return shlex.join([program(), "run", "--resume", str(run_dir), *launch_flags(words)])
+    last = record.resumes[-1] if record.resumes and isinstance(record.resumes[-1], dict) else {}
+    command = last.get("command") or record.command or ""
+    line = resume_line(run_dir, command)
+    ranks = (last.get("backend") or record.backend or {}).get("world_size", 1)
+    if isinstance(ranks, int) and ranks > 1 and "--nproc" not in launch_flags(line.split()[1:]):
+        line += f" (on the {ranks} ranks of an outer launcher, as it ran: torchrun or deepspeed)"
+    return line
 
 
 def status_line(record: RunRecord, run_dir: Path) -> str:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from cl_bench.errors import UserError, program
+from cl_bench.errors import UserError, resume_line
 from cl_bench.run.checkpoint_shape import Loaded
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any], name: str = CHECKPOINT
     except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as RuntimeError
         shutil.rmtree(staging, ignore_errors=True)
         raise UserError(f"{staging}: cannot write the checkpoint ({_write_failure(exc, run_dir)}); the "
-                        f"previous one is kept: free space, then {program()} run --resume {run_dir}") from None
+                        f"previous one is kept: free space, then {resume_line(run_dir)}") from None
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)

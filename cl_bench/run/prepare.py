@@ -113,6 +113,7 @@ def _prepare_locked(checked, record, restart, run_dir, data_dir, backend, progre
                         encoder=encoder, replay=replay)
     method = checked.method_cls(checked.method_args, ctx)
     method.setup(loaded.model)
+    backend.check_model(method.model)
     stages = method.plan(tasks)
     ctx.n_stages = len(stages)
     if record is not None:

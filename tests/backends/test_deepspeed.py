@@ -21,7 +21,7 @@ import torch
 from cl_bench.run import checkpoint
 from cl_bench.errors import UserError
 from helpers import (assert_follows_fp32, assert_same_run, deepspeed_args, interrupted_ds_run, log_rows, only_run,
-                     run_cli, small_buckets, smoke_args)
+                     one_line_error, run_cli, small_buckets, smoke_args)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -591,6 +591,27 @@ def test_a_loaded_optimiser_state_is_held_as_between_phases(zero):
             assert isinstance(held, Piece) and (held.shape, held.rank, held.ranks) == (p.shape, 2, 3), key
             mine = whole.reshape(-1)[2 * size:]
             assert torch.equal(held.value, torch.cat([mine, torch.zeros(size - mine.numel())])), key
+
+
+def test_a_model_with_a_0_dim_parameter_is_refused_as_the_run_starts(trace_dir, tmp_path, monkeypatch, capsys):
+    """A --model with a 0-dim parameter (a learned scalar, as some hub models hold) is
+    refused in one line before anything trains (Backend.check_model, from prepare), not
+    by a traceback at the first phase. Mutation caught: the check not called (the
+    phase's RuntimeError, exit 1)."""
+    from cl_bench.run import prepare
+
+    real = prepare.load
+
+    def with_a_scalar(*args, **kwargs):
+        loaded = real(*args, **kwargs)
+        loaded.model.model.norm.temperature = torch.nn.Parameter(torch.tensor(1.0))
+        return loaded
+
+    monkeypatch.setattr(prepare, "load", with_a_scalar)
+    capsys.readouterr()
+    assert run_cli(*smoke_args(trace_dir, tmp_path / "runs", *deepspeed_args(tmp_path, 2))) == 2
+    assert re.fullmatch(r"error: tiny-llama: parameter 'model.norm.temperature' is 0-dim: the deepspeed backend "
+                        r"cannot hold it \(.*\); run it with --backend torch", one_line_error(capsys))
 
 
 @pytest.mark.parametrize("zero", [2, 3])

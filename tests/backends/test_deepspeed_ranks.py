@@ -416,7 +416,7 @@ def test_three_ranks_zero3_where_the_ranks_do_not_divide_a_weight_stopped_and_re
     not multiples of 3, so the last rank's partition of each is padded; mofo's top-α
     filter reads each matrix's |momentum| assembled over uneven pieces. The launch is
     stopped (SIGTERM) once stage 1 is saved and resumed by the line it printed (with
-    --nproc 3 and --keep-checkpoint, cli_parser.launch_flags): each rank's piece
+    --nproc 3 and --keep-checkpoint, errors.launch_flags): each rank's piece
     of the checkpoint's moments is cut as ZeRO-3 cuts them (load_held), set piece by piece
     (_set_full), and carried again into the next stage (close()). A copy of the stopped
     run goes on in one process instead (the rank count may change on --resume). Both runs

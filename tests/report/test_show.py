@@ -32,6 +32,10 @@ def test_show_says_how_far_a_run_that_is_not_complete_is(trace_dir, tmp_path, mo
     (run_dir / results.RUN_FILE).write_text(json.dumps({**edited, "resumes": [
         {"at_stage": 1, "command": f"cl-bench run --resume {run_dir} --nproc 2"}]}))
     assert _show(capsys, run_dir).endswith(f"--resume {run_dir} --nproc 2")
+    # ranks of an outer launcher (torchrun, deepspeed): no flag gives them, the line says how
+    (run_dir / results.RUN_FILE).write_text(json.dumps({**record, "backend": {"name": "deepspeed", "world_size": 4}}))
+    assert _show(capsys, run_dir).endswith(f"--resume {run_dir} (on the 4 ranks of an outer launcher, as it ran: "
+                                           f"torchrun or deepspeed)")
     record["status"] = "running"
     (run_dir / results.RUN_FILE).write_text(json.dumps(record))
     assert _show(capsys, run_dir).startswith("status: stopped (running when its process ended: killed?), 1 of 3")

@@ -168,7 +168,7 @@ def test_resume_of_a_folder_without_its_stage_checkpoint_refuses_and_changes_not
 @pytest.mark.parametrize("at_stage, message, venv, launch", [
     (0, "interrupted before the first stage was saved; nothing to keep; start it again with: cl-bench run --resume",
      False, []),
-    # a flag that says how the run runs, not what (cli_parser.RUN_LAUNCH_FLAGS), is given again
+    # a flag that says how the run runs, not what (errors.LAUNCH_FLAGS), is given again
     # (mutation caught: the line without it: the resumed run deletes the checkpoint it was to keep)
     (1, "interrupted; 1 of 3 stages are saved; continue with: cl-bench run --resume", False, ["--keep-checkpoint"]),
     # started as `make main` starts it, its venv not activated: the line names the program's path

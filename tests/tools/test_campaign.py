@@ -252,7 +252,7 @@ def test_a_resumed_run_takes_the_commit_it_started_from_and_says_what_the_line_c
 
 def test_a_resumed_run_is_launched_as_its_line_launches_it():
     """The line's --nproc and --keep-checkpoint, which its record's config does not hold,
-    reach the resume (cli_parser.launch_flags), or a preempted run of N ranks would go on
+    reach the resume (errors.launch_flags), or a preempted run of N ranks would go on
     in one process (Slurm requeues through this command too). Mutation caught: the
     resume's command without them."""
     entry = Entry(Path("results/x"), ["--profile", "smoke", "--backend", "deepspeed", "--zero", "3", "--nproc", "8",

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 from cl_bench.tools.campaign.plan import Entry
-from cl_bench.errors import UserError
+from cl_bench.errors import UserError, resume_line
 
 
 def git(root: Path, *argv: str) -> str:
@@ -41,8 +42,9 @@ def commit_of(entry: Entry, record: dict | None, root: Path) -> str:
         except subprocess.CalledProcessError:
             pass
         raise UserError(f"{entry.run_dir} started from {started or 'an unrecorded commit'}, which is not a "
-                        f"commit of this repository; resume it by hand (cl-bench run --resume "
-                        f"{entry.run_dir}) or take it out of the plan")
+                        f"commit of this repository; resume it by hand "
+                        f"({resume_line(entry.run_dir, shlex.join(['cl-bench', 'run', *entry.flags]))}) or take it "
+                        f"out of the plan")
     if git(root, "status", "--porcelain", "--untracked-files=no"):
         raise UserError(f"{root}: the tree has uncommitted changes; commit them (new runs run a clone of HEAD)")
     return git(root, "rev-parse", "HEAD")

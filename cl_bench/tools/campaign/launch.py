@@ -27,8 +27,7 @@ from cl_bench.record import io as results
 from cl_bench.record.io import is_running
 from cl_bench.tools.campaign import estimate
 from cl_bench.tools.campaign.plan import Entry, action, recorded
-from cl_bench.cli_parser import launch_flags
-from cl_bench.errors import UserError
+from cl_bench.errors import UserError, launch_flags
 
 POLL_S = 2.0
 
@@ -36,7 +35,7 @@ POLL_S = 2.0
 def command(entry: Entry, resume: bool) -> list[str]:
     cli = [sys.executable, "-P", "-m", "cl_bench.cli", "run"]
     if resume:  # with the line's --nproc and --keep-checkpoint, which the record does not keep
-        return [*cli, "--resume", str(entry.run_dir), *launch_flags(["run", *entry.flags]), "--no-progress"]
+        return [*cli, "--resume", str(entry.run_dir), *launch_flags(entry.flags), "--no-progress"]
     return [*cli, *entry.flags, "--output-dir", str(entry.run_dir.parent), "--run-id", entry.run_id, "--no-progress"]
 
 
