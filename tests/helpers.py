@@ -331,12 +331,13 @@ def tied_tiny_llama(folder: Path) -> Path:
     return folder
 
 
-def assert_follows_fp32(fp32: Path, bf16: Path) -> None:
+def assert_follows_fp32(fp32: Path, bf16: Path, grad_norm: bool = True) -> None:
     """A bf16 run follows the fp32 run of the same method: each step's loss within 2e-3
-    and grad_norm within 2e-2 relative (tests/backends/test_deepspeed.py's bf16 tests)."""
+    and (`grad_norm`) its grad_norm within 2e-2 relative (tests/backends/test_deepspeed.py's
+    bf16 tests)."""
     for x, y in zip(log_rows(fp32), log_rows(bf16), strict=True):
         assert y["lm"] == pytest.approx(x["lm"], rel=2e-3), (x, y)
-        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=2e-2), (x, y)
+        assert not grad_norm or y["grad_norm"] == pytest.approx(x["grad_norm"], rel=2e-2), (x, y)
 
 
 def log_rows(run_dir: Path) -> list[dict]:

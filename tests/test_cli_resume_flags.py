@@ -55,7 +55,8 @@ def test_a_message_inside_a_run_continues_it_as_its_launch_did(monkeypatch):
     started = []
     monkeypatch.setattr(signals, "start_group", lambda argv, env: started.append(env))
     monkeypatch.setattr(signals, "wait_forwarding", lambda proc: (0, signals.Stop()))
-    assert launch.launch(2, ["run", "--nproc", "2", "--keep-checkpoint"], "cl-bench run --nproc 2 --keep-checkpoint") == (0, False)
+    argv = ["run", "--nproc", "2", "--keep-checkpoint"]
+    assert launch.launch(2, argv, "cl-bench run --nproc 2 --keep-checkpoint") == (0, False)
     env = started[0]
     for key in ("CL_BENCH_COMMAND", PROGRAM_ENV):  # now as a rank of that launch
         monkeypatch.setenv(key, env[key])
