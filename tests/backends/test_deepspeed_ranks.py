@@ -24,9 +24,9 @@ from stage 2 on); only rank 0 writes, logs and shows progress;
 care and same on 3 ranks, one running a padding copy; mofo on 3 ranks at ZeRO-3, where
 the ranks do not divide the weights' sizes, stopped with SIGTERM and resumed by the line
 it printed (--nproc 3 carried; each rank's piece of the loaded moments padded); a rank
-whose state parts from rank 0's
-stops the run where it differs exactly and is warned of where a float drifts
-(Backend.same_on_every_rank; mutation caught: the comparison left out, both fail).
+whose state parts from rank 0's stops the run where it differs exactly and is warned of
+where a float drifts (Backend.same_on_every_rank; mutation caught: the comparison left
+out, both fail).
 
 Found by these runs: DeepSpeed's safe_set_full_fp32_param / _optimizer_state at ZeRO-3
 (0.19.8) read past a value's end on the last rank wherever the ranks do not divide a
