@@ -20,7 +20,8 @@ def must_launch(nproc: int, config) -> bool:
     if nproc < 1:
         raise UserError(f"--nproc {nproc}: give at least 1 rank")
     if config.backend != "deepspeed":
-        raise UserError("--nproc starts ranks of the deepspeed backend; add --backend deepspeed")
+        raise UserError(f"--nproc {nproc} starts ranks of the deepspeed backend, and this run's backend is "
+                        f"{config.backend}: drop --nproc, or for a new run add --backend deepspeed")
     if "RANK" in os.environ:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world != nproc:

@@ -20,8 +20,8 @@ import torch
 
 from cl_bench.run import checkpoint
 from cl_bench.errors import UserError
-from helpers import (assert_follows_fp32, assert_same_run, deepspeed_args, interrupted_ds_run, log_rows, only_run,
-                     one_line_error, run_cli, small_buckets, smoke_args)
+from helpers import (assert_follows_fp32, assert_same_run, deepspeed_args, interrupted_ds_run, interrupted_run,
+                     log_rows, only_run, one_line_error, run_cli, small_buckets, smoke_args)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -156,6 +156,13 @@ def test_launch_arguments(trace_dir, tmp_path, capsys, monkeypatch):
     assert (args.local_rank, args.nproc, args.backend) == (1, 2, "deepspeed")  # `deepspeed script` adds it
     assert run_cli(*smoke_args(trace_dir, tmp_path, "--nproc", "2")) == 2
     assert "add --backend deepspeed" in capsys.readouterr().err
+    # a torch run resumed with --nproc: --resume refuses --backend, so the line says to drop it
+    # (mutation caught: the old line, "add --backend deepspeed" alone)
+    run_dir = interrupted_run(monkeypatch, *smoke_args(trace_dir, tmp_path / "torch"), at_stage=1)
+    capsys.readouterr()
+    assert run_cli("run", "--resume", run_dir, "--nproc", "2") == 2
+    assert one_line_error(capsys).endswith("--nproc 2 starts ranks of the deepspeed backend, and this run's backend "
+                                           "is torch: drop --nproc, or for a new run add --backend deepspeed")
     monkeypatch.setenv("RANK", "0")  # as inside a launch of 3 ranks
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert run_cli(*smoke_args(trace_dir, tmp_path, "--backend", "deepspeed", "--nproc", "2")) == 2
