@@ -81,8 +81,21 @@ def resume_line(run_dir, command: str | None = None) -> str:
 
     if command is None:
         command = os.environ.get("CL_BENCH_COMMAND") or shlex.join(["cl-bench", *sys.argv[1:]])
+    return shlex.join([program(), "run", "--resume", str(run_dir), *command_flags(command)])
+
+
+def command_flags(command: str) -> list[str]:
+    """The LAUNCH_FLAGS of a command line as a run records it (its program first)."""
+    import shlex
+
     try:
-        words = shlex.split(command)[1:]
-    except ValueError:  # not a shell line: an edited record
-        words = []
-    return shlex.join([program(), "run", "--resume", str(run_dir), *launch_flags(words)])
+        return launch_flags(shlex.split(command)[1:])
+    except (ValueError, AttributeError):  # not a shell line, or not a string: an edited record
+        return []
+
+
+def last_command(resumes, command) -> str:
+    """The command that last ran a run, from its record's fields: its last --resume's,
+    else the one that started it ("" where the record holds neither)."""
+    last = resumes[-1] if resumes and isinstance(resumes[-1], dict) else {}
+    return last.get("command") or command or ""

@@ -117,6 +117,8 @@ REFUSED_SWITCHES = {
     "bf16.bf16_master_weights_and_grads": ("keeps the master weights and gradients in bf16, not fp32 (lossy, "
                                            "and not what the record's bf16 means)", _is_set),
     "bf16.bf16_optimizer_states": ("keeps Adam's moments in bf16, not fp32 (lossy)", _is_set),
+    "fp16.fp16_master_weights_and_grads": ("keeps the master weights and gradients in fp16, not fp32 (lossy; "
+                                           "DeepSpeed also asks for ZeRO-Offload, not supported here)", _is_set),
     "fp16.auto_cast": ("casts the inputs of the forward to fp16, fp16 off or not", _is_set),
     "expert_parallel": ("AutoEP replaces the MoE layers it detects with its own and cuts their experts over a "
                         "group of ranks, under the methods' expert hooks", _is_enabled),

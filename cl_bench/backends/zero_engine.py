@@ -59,6 +59,7 @@ import torch
 from torch import nn
 
 from cl_bench.models.modes import forward_readers
+from cl_bench.run.checkpoint_shape import saved_pairs
 from cl_bench.step_gradients import Segment, ZeroLayout
 
 
@@ -175,17 +176,16 @@ def load_held(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], zero
     beside the whole weights (at 7B, 56 + 28 GB: more than an 80 GB GPU holds). Saved
     entries pair with the optimiser's parameters in order, as torch pairs them; saved
     groups of other sizes are left for load_state_dict to refuse."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    ids = [i for group in state_dict["param_groups"] for i in group["params"]]
-    if len(ids) == len(params):
+    pairs = saved_pairs(state_dict, optimizer)
+    if pairs is not None:
         state = dict(state_dict["state"])
-        for i, p in zip(ids, params):
+        for i, p in pairs:
             if isinstance(state.get(i), dict):
                 state[i] = {k: _Held(_host(v, p, zero, rank, ranks)) if _per_value(v, p) else v
                             for k, v in state[i].items()}
         state_dict = {**state_dict, "state": state}
     optimizer.load_state_dict(state_dict)
-    for p in params:
+    for p in (p for group in optimizer.param_groups for p in group["params"]):
         entries = optimizer.state.get(p, {})
         for k, v in entries.items():
             if isinstance(v, _Held):

@@ -60,8 +60,10 @@ def check(rec: RunRecord, where: Where) -> None:
         if not isinstance(by_stage, dict) or not all(k.isdigit() for k in by_stage):
             raise where.fail(f"field probes.{kind} must be an object keyed by stage index")
     for i, r in enumerate(rec.resumes or []):
-        if not isinstance(r, dict) or not _int(r.get("at_stage")):
-            raise where.fail(f"field resumes[{i}] must be an object with an integer at_stage")
+        if not (isinstance(r, dict) and _int(r.get("at_stage")) and isinstance(r.get("command", ""), str)
+                and isinstance(r.get("backend", {}), dict)):
+            raise where.fail(f"field resumes[{i}] must be an object with an integer at_stage, the command as a "
+                             f"string and the backend as an object")
     if rec.failed_at is not None and not (_int(rec.failed_at.get("stage")) and _int(rec.failed_at.get("step"))):
         raise where.fail("field failed_at must be {stage: integer, step: integer}")
     for name, d in rec.data.items():

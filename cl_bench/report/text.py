@@ -89,13 +89,13 @@ def resume_command(record: RunRecord, run_dir: Path) -> str:
     """What continues the run in `run_dir` (an interrupt's line, `cl-bench show`'s): --resume
     with the launch flags of its last command (errors.resume_line: --nproc N,
     --keep-checkpoint); for ranks started by an outer launcher, which no flag gives, how."""
-    from cl_bench.errors import launch_flags, resume_line
+    from cl_bench.errors import command_flags, last_command, resume_line
 
-    last = record.resumes[-1] if record.resumes and isinstance(record.resumes[-1], dict) else {}
-    command = last.get("command") or record.command or ""
+    command = last_command(record.resumes, record.command)
     line = resume_line(run_dir, command)
+    last = record.resumes[-1] if record.resumes else {}
     ranks = (last.get("backend") or record.backend or {}).get("world_size", 1)
-    if isinstance(ranks, int) and ranks > 1 and "--nproc" not in launch_flags(line.split()[1:]):
+    if isinstance(ranks, int) and ranks > 1 and "--nproc" not in command_flags(command):
         line += f" (on the {ranks} ranks of an outer launcher, as it ran: torchrun or deepspeed)"
     return line
 

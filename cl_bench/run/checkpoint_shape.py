@@ -102,20 +102,15 @@ class Loaded:
         `optimizer`'s parameters in order, as torch's load_state_dict pairs them; groups
         of other sizes are its to refuse."""
         saved = self.state["optimizer"]["state"]
-        groups, entries = saved.get("param_groups"), saved.get("state")
-        if not (isinstance(groups, list) and isinstance(entries, dict)
-                and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
+        pairs, entries = saved_pairs(saved, optimizer), saved.get("state")
+        if pairs is None or not isinstance(entries, dict):
             return
-        ids = [i for g in groups for i in g["params"]]
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        if len(ids) != len(params):
-            return
-        known = set(ids)
+        known = {i for i, _ in pairs}
         stray = [k for k in entries if k not in known]  # torch would keep them as they are, unchecked
         if stray:
             raise self.fail(f"optimizer.state.state.{stray[0]}", "is not a parameter of the saved groups")
         kinds: dict[str, type] = {}
-        for i, p in zip(ids, params):
+        for i, p in pairs:
             state = entries.get(i, {})
             if not isinstance(state, dict):
                 raise self.fail(f"optimizer.state.state.{i}", "must be a dict of its parameter's state")
@@ -135,3 +130,17 @@ class Loaded:
                 if key != "params" and type(group.get(key)) is not type(value):
                     raise self.fail(f"optimizer.state.param_groups[{i}].{key}",
                                     f"must be {type(value).__name__}, found {type(group.get(key)).__name__}")
+
+
+def saved_pairs(saved: dict[str, Any],
+                optimizer: torch.optim.Optimizer) -> list[tuple[Any, torch.nn.Parameter]] | None:
+    """An optimiser state_dict's parameter ids paired with `optimizer`'s parameters in
+    order, as torch's load_state_dict pairs them; None where its groups are unreadable or
+    hold another number of parameters (load_state_dict's to refuse)."""
+    groups = saved.get("param_groups")
+    if not (isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                             for g in groups)):
+        return None
+    ids = [i for g in groups for i in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return list(zip(ids, params)) if len(ids) == len(params) else None

@@ -102,6 +102,8 @@ def test_deepspeed_config_file_conflicts_name_the_key_and_the_fix(tmp_path):
                            ({"bf16": {"bf16_optimizer_states": True}}, "bf16.bf16_optimizer_states=true"),
                            ({"bfloat16": {"enabled": True}}, 'bfloat16={"enabled": true}: the old name'),
                            ({"fp16": {"enabled": False, "auto_cast": True}}, "fp16.auto_cast=true"),
+                           ({"fp16": {"enabled": False, "fp16_master_weights_and_grads": True}},
+                            "fp16.fp16_master_weights_and_grads=true"),
                            ({"expert_parallel": {"enabled": True}}, 'expert_parallel={"enabled": true}: AutoEP'),
                            ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size=2: AutoTP"),
                            ({"hybrid_engine": {"enabled": True}}, 'hybrid_engine={"enabled": true}'),

@@ -195,6 +195,9 @@ EDITS = [  # (case, edit of the run folder, what the one line says)
     ("weights of another shape", _edit_state(_shrunk_weight), "state.pt: field model.model.embed_tokens.weight must"),
     ("a list", _edit_state(lambda s: [1, 2]), "state.pt: holds a list, not the fields cl-bench writes"),
     ("stage beyond the record", _edit_state(lambda s: {**s, "stage": 2}), "state.pt: field stage=2 must be in [0, 1]"),
+    ("a resume's backend not an object",
+     _edit_record("resumes", [{"at_stage": 1, "command": "cl-bench run --resume r", "backend": [2]}]),
+     "run.json: field resumes[0] must be an object with an integer at_stage, the command as a string"),
     ("optimiser state of no parameter", _edit_state(_stray_optimizer_entry),
      "state.pt: field optimizer.state.state.x is not a parameter of the saved groups"),
 ]

@@ -232,7 +232,8 @@ def test_two_campaigns_started_together_make_the_clone_once(tmp_path, monkeypatc
 
 def test_a_resumed_run_takes_the_commit_it_started_from_and_says_what_the_line_changed(plan, capsys):
     """Mutations caught: resuming with HEAD's code (two versions in one run), a run
-    from an unknown commit resumed anyway, a changed line passed over in silence."""
+    from an unknown commit resumed anyway, a changed line passed over in silence (its
+    method arguments; its launch flags, which the resume takes from the line)."""
     path, out = plan
     record = out / "b" / "cut" / "run.json"
     data = json.loads(record.read_text())
@@ -244,10 +245,12 @@ def test_a_resumed_run_takes_the_commit_it_started_from_and_says_what_the_line_c
     with pytest.raises(UserError, match="not a commit of this repository; resume it by hand"):
         pinning.commit_of(entries[1], recorded(entries[1], ROOT), ROOT)
 
-    path.write_text(path.read_text().replace("lr=1e-3\n", "lr=1e-2\n", 2))
+    path.write_text(path.read_text().replace("lr=1e-3\n", "lr=1e-2 --keep-checkpoint\n", 2))
     assert campaign(*here(str(path))) == 0
     said = capsys.readouterr().err
     assert "is resumed as recorded, though the line now asks for method_args.lr 0.001 -> 0.01" in said
+    # a launch flag, which the resume takes from the line (plan.launch_drift)
+    assert "b/cut: its resume takes the line's --keep-checkpoint, where it last ran with none" in said
 
 
 def test_a_resumed_run_is_launched_as_its_line_launches_it():

@@ -44,8 +44,8 @@ import torch
 from cl_bench.tools.campaign import code as pinning
 from cl_bench.tools.campaign import estimate
 from cl_bench.tools.campaign import launch
-from cl_bench.tools.campaign.plan import (Entry, action, drift, is_tuning_plan, planned, read_plan, recorded,
-                                   refuse_test_split)
+from cl_bench.tools.campaign.plan import (Entry, action, drift, is_tuning_plan, launch_drift, planned, read_plan,
+                                          recorded, refuse_test_split)
 from cl_bench.record.io import is_running
 from cl_bench.run.resume import stranded
 from cl_bench.errors import UserError
@@ -94,6 +94,9 @@ def survey(plan: Path, entries: list[Entry], root: Path, args, native: bool):
                     if changed:
                         print(f"{plan}:{entry.line}: {entry.run_dir} is resumed as recorded, though the line now "
                               f"asks for {'; '.join(changed)}", file=sys.stderr)
+                    moved = launch_drift(record, entry)
+                    if moved:
+                        print(f"{plan}:{entry.line}: {entry.run_dir}: {moved}", file=sys.stderr)
             hours, source, rough = _hours(entry, record, config, method_args, timings)
             if what == "done":
                 print(f"{'done':8s} {hours:7.2f}  {entry.run_dir}  (took)", flush=True)

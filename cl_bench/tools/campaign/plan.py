@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cl_bench.record import io as results
-from cl_bench.errors import UserError
+from cl_bench.errors import UserError, command_flags, last_command, launch_flags
 
 GIVEN_BY_LINE = ("--output-dir", "--run-id", "--no-progress", "--resume")
 # A plan holding this line is a tuning plan (cl_bench/tools/tuning/plan.py): each of its runs must score the eval split.
@@ -124,6 +124,18 @@ def drift(record: dict, config, method_args) -> list[str]:
     ran = record.get("method_args") or {}
     out += [f"method_args.{k} {ran.get(k)!r} -> {v!r}" for k, v in sorted(asked.items()) if ran.get(k) != v]
     return out
+
+
+def launch_drift(record: dict, entry: Entry) -> str | None:
+    """Where the line's launch flags (errors.LAUNCH_FLAGS: --nproc, --keep-checkpoint)
+    differ from those of the command that last ran its recorded run: the resume takes the
+    line's (launch.command), which is how a run moves to another number of ranks."""
+    ran = command_flags(last_command(record.get("resumes"), record.get("command")))
+    now = launch_flags(entry.flags)
+    if ran == now:
+        return None
+    return f"its resume takes the line's {shlex.join(now) or 'no launch flags'}, where it last ran with " \
+           f"{shlex.join(ran) or 'none'}"
 
 
 def is_tuning_plan(path: Path) -> bool:
