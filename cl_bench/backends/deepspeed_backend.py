@@ -109,7 +109,9 @@ REFUSED_SWITCHES = {
                    "untested with the methods' gradient edits (the ZeRO-2 gradient fragments)", _is_set),
     # what the harness checked in DeepSpeed 0.19.8 beside these: MiCS (mics_*) is gone from it (its config
     # refuses the keys); hpZ (zero_hpz_partition_size) keeps the optimiser state cut over every rank, as
-    # zero_engine's pieces assume; the bucket, prefetch and sub-group sizes change no partition
+    # zero_engine's pieces assume, and remakes the trained weights' secondary copies from the primary
+    # partitions after each step (ZeroGradients.set_weights writes those; tests/backends/
+    # test_deepspeed_ranks.py's hpz runs); the bucket, prefetch and sub-group sizes change no partition
     "gradient_allreduce_op": ("'sum' adds the ranks' gradients where the harness's loss weights expect their "
                               "mean: every gradient N times larger on N ranks (ZeRO-2)", _not_mean),
     "bfloat16": ("the old name of the bf16 section, which DeepSpeed reads only where bf16 is absent (never: the "

@@ -5,7 +5,9 @@ methods that edit a step's gradients), two micro-batches per rank (ogd at ZeRO-2
 at ZeRO-3), upcycle's shared=add at ZeRO-3 (a one-value parameter, padded to one value
 per rank), a model with tied embeddings (seqft at ZeRO-3, ewc at ZeRO-2), care at
 ZeRO-3 with its small weights kept gathered (persistence threshold 5000: the anchor
-pull written through that copy too; mutation caught: that copy left alone); under
+pull written through that copy too; mutation caught: that copy left alone), care and
+same at ZeRO-3 under hpZ (zero_hpz_partition_size=2: the forward gathers from
+secondary copies of the partitions; mutation caught: those kept stale); under
 deepspeed.bf16, ewc (ZeRO-3) and ogd (ZeRO-2) follow the torch backend's fp32 run;
 resume works (the flagship at ZeRO-2, upcycle at ZeRO-3, the flagship in-stage at
 ZeRO-3, where at the checkpoint rank 0 holds the weights and optimiser state whole and
@@ -108,7 +110,8 @@ RUNS = [(method, zero, "") for method in ("seqft", "lora", "upcycle", "ewc", "og
         for zero in (2, 3)] + [("ewc", 2, "overlap"), ("same", 2, "overlap"), ("ogd", 2, "acc2"),
                                ("mofo", 3, "acc2"), ("upcycle", 3, "add"), ("seqft", 3, "tied"),
                                ("ewc", 2, "tied"), ("ewc", 3, "bf16"), ("ogd", 2, "bf16"), ("same", 2, "norefresh"),
-                               ("care", 3, "persist"), ("upcycle", 3, "bf16add")]
+                               ("care", 3, "persist"), ("upcycle", 3, "bf16add"), ("care", 3, "hpz"),
+                               ("same", 3, "hpz")]
 # (method, ZeRO stage, variant, step): interrupted in stage 2 and resumed: as it starts
 # (step None), the flagship (mask logits, its outer optimiser) at ZeRO-2 and upcycle at
 # ZeRO-3 (its added experts partitioned); or after its first step, checkpointed in-stage
@@ -141,15 +144,24 @@ ARGS = {"ewc": ["--method-arg", "lambda_ewc=1e6"],  # the penalty's gradient dom
 # _set_full cuts into padded pieces itself: the one-value scale is where DeepSpeed's
 # safe_set_full_fp32_param read past its end on rank 1 (mutation caught: _set_full
 # calling it at ZeRO-3, "exceeds dimension size"); the fp32 runs carry only pieces.
+# hpz: ZeRO++'s hpZ (zero_hpz_partition_size=2): each rank also keeps a secondary
+# partition of the weights, from which the forward gathers them; DeepSpeed drops the
+# trained ones' at each step's end and makes them again from the primary partitions at
+# the next gather, so the weights care's anchor pull writes there after a step
+# (ZeroGradients.set_weights) reach the next forward; same edits its gradients on the
+# primary partitions (ZeroGradients.write). Mutation caught (checked by hand): the
+# secondary partitions kept across a step (DeepSpeed's invalidate_secondary_tensor a
+# no-op), the care run parts from the torch backend's. (2 ranks in one group: each secondary partition is the primary's range, a
+# copy of its own; the by-hand runs on 4 ranks in 2 groups of 2, docs/running.md.)
 VARIANTS = {"": [], "overlap": [], "acc2": ["--set", "train.batch_size=8"], "add": ["--method-arg", "shared=add"],
             "tied": ["--model", "{out}/tied"], "bf16": [], "norefresh": ["--method-arg", "spectral_routing=false"],
-            "persist": [], "bf16add": ["--method-arg", "shared=add"]}
+            "persist": [], "bf16add": ["--method-arg", "shared=add"], "hpz": []}
 DS_ONLY = {"bf16": ["--set", "deepspeed.bf16=true"], "bf16add": ["--set", "deepspeed.bf16=true"]}
 # bf16add's losses only: with the upcycled model's router in bf16, its last step's
 # grad_norm came 3.3% off the fp32 run's (0.0809 for 0.0783; AVX2, bf16 emulated) while
 # every loss stayed within 3e-5 relative, and a router's top-k may turn on a rounding
 # elsewhere; the losses show the masters it sets
-CONFIGS = {"overlap": "overlap.json", "persist": "persist.json"}  # written below; small.json otherwise
+CONFIGS = {"overlap": "overlap.json", "persist": "persist.json", "hpz": "hpz.json"}  # written below; else small.json
 # 4 test examples per task in generation batches of 3 and 1: rank 0 decodes the first
 # batch, rank 1 the second, and both get all predictions back.
 EVAL = ["--set", "eval.batch_size=3"]
@@ -315,6 +327,9 @@ def test_two_ranks_agree_with_one(tmp_path):
     persist = json.loads(small_buckets(out).read_text())
     persist["zero_optimization"]["stage3_param_persistence_threshold"] = 5000
     (out / "persist.json").write_text(json.dumps(persist))
+    hpz = json.loads(small_buckets(out).read_text())
+    hpz["zero_optimization"]["zero_hpz_partition_size"] = 2
+    (out / "hpz.json").write_text(json.dumps(hpz))
     tied_tiny_llama(out / "tied")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_port", str(_port()), __file__, str(out)],
