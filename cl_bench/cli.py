@@ -36,6 +36,7 @@ from cl_bench.errors import UserError, program  # noqa: E402
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_LOST_RANK = 1  # a rank of the run ended (Backend.lost_peer): the record says failed, --resume goes on
 
 
 def cmd_run(args) -> int:
@@ -96,6 +97,16 @@ def cmd_run(args) -> int:
         if run.backend.is_main:
             print(f"\n{resume.left_by_interrupt(run, resume_command(run.record, run.run_dir))}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as exc:
+        if not run.backend.lost_peer(exc):
+            raise
+        if run.backend.is_main:  # the other ranks' errors say the same: one line, from rank 0
+            said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            stopped = resume.left_by_interrupt(run, resume_command(run.record, run.run_dir), "the run stopped")
+            print(f"\n{run.run_dir}: a collective between the ranks failed ({said}): another rank's process "
+                  f"ended or stopped answering (killed? out of memory? its output says why); {stopped}",
+                  file=sys.stderr)
+        return EXIT_LOST_RANK
     if run.backend.is_main:
         print(format_matrix(record, record.intervals))
         print(f"\nrun record: {run.run_dir / 'run.json'}")

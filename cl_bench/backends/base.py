@@ -57,6 +57,12 @@ class Backend:
     def check_model(self, model: torch.nn.Module) -> None:
         """Refuse, as the run starts, a model this backend cannot train (UserError)."""
 
+    def lost_peer(self, exc: BaseException) -> bool:
+        """Whether `exc`, which ended a run, came from a collective that failed for want
+        of another rank (its process ended or stopped answering): no fault of this
+        process, and the run goes on with --resume. In one process, never."""
+        return False
+
     def load_optimizer(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         """A checkpoint's optimiser state into the run's `optimizer` (--resume, between
         phases), held as this backend holds it there; in one process, torch's

@@ -485,6 +485,17 @@ class DeepSpeedBackend(Backend):
             raise UserError(f"{self.config.model}: parameter {name!r} is 0-dim: {ZERO_DIM}; run it with "
                             f"--backend torch")
 
+    def lost_peer(self, exc: BaseException) -> bool:
+        """A RuntimeError raised inside torch.distributed, on N ranks: a collective failed
+        (gloo: "Connection reset by peer" when another rank's process ended, a time-out
+        when it hangs)."""
+        if self.world_size == 1 or not isinstance(exc, RuntimeError) or exc.__traceback__ is None:
+            return False
+        tb = exc.__traceback__
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        return f"{os.sep}torch{os.sep}distributed{os.sep}" in tb.tb_frame.f_code.co_filename
+
     def load_optimizer(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         """Held as a phase's close() leaves it: in host memory, and at ZeRO-3 each rank
         only its Piece of each moment (zero_engine.load_held)."""

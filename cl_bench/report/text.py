@@ -112,4 +112,5 @@ def status_line(record: RunRecord, run_dir: Path) -> str:
     if record.status == "running":  # its process is gone without writing its end
         return f"status: stopped ({record.status} when its process ended: killed?), {done}; {again}"
     why = f" ({record.error})" if record.error else ""
-    return f"status: {record.status}{why}, {done}" + (f"; {again}" if record.status == "interrupted" else "")
+    after = {"interrupted": f"; {again}", "failed": f"; once its cause is fixed, {again}"}
+    return f"status: {record.status}{why}, {done}" + after.get(record.status, "")

@@ -249,18 +249,18 @@ def enter_in_stage(run: Run, at: InStage) -> None:
                  at.stage + 1, at.step, at.phase + 1)
 
 
-def left_by_interrupt(run: Run, again: str) -> str:
-    """What an interrupt leaves, in one line: resume continues after the last checkpoint,
-    or, with none yet, starts the run again in its folder. `again`: the command that
-    does either (report.text.resume_command)."""
+def left_by_interrupt(run: Run, again: str, what: str = "interrupted") -> str:
+    """What an interrupt (or another stop: `what`) leaves, in one line: resume continues
+    after the last checkpoint, or, with none yet, starts the run again in its folder.
+    `again`: the command that does either (report.text.resume_command)."""
     done, total = run.record.stages_done, len(run.stages)
     if checkpoint.has_checkpoint(run.run_dir, STEP_CHECKPOINT_DIR):
-        return (f"interrupted; {done} of {total} stages are saved, and stage {done + 1} up to its last in-stage "
+        return (f"{what}; {done} of {total} stages are saved, and stage {done + 1} up to its last in-stage "
                 f"checkpoint; continue with: {again}")
     if checkpoint.has_checkpoint(run.run_dir):
-        return f"interrupted; {done} of {total} stages are saved; continue with: {again}"
+        return f"{what}; {done} of {total} stages are saved; continue with: {again}"
     scored = sum(score is not None for score in run.record.zero_shot or [])
     if scored:
-        return (f"interrupted before the first stage was saved; {scored} of {len(run.tasks)} zero-shot scores "
+        return (f"{what} before the first stage was saved; {scored} of {len(run.tasks)} zero-shot scores "
                 f"are saved; continue with: {again}")
-    return f"interrupted before the first stage was saved; nothing to keep; start it again with: {again}"
+    return f"{what} before the first stage was saved; nothing to keep; start it again with: {again}"

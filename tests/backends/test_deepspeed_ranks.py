@@ -28,7 +28,8 @@ the ranks do not divide the weights' sizes, stopped with SIGTERM and resumed by 
 it printed (--nproc 3 carried; each rank's piece of the loaded moments padded); a rank
 whose state parts from rank 0's stops the run where it differs exactly and is warned of
 where a float drifts (Backend.same_on_every_rank; mutation caught: the comparison left
-out, both fail).
+out, both fail); a rank killed (SIGKILL) stops the run in one line from rank 0 naming
+what is saved and how to continue (Backend.lost_peer), and --resume finishes it.
 
 Found by these runs: DeepSpeed's safe_set_full_fp32_param / _optimizer_state at ZeRO-3
 (0.19.8) read past a value's end on the last rank wherever the ranks do not divide a
@@ -88,6 +89,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -482,6 +484,44 @@ def _port() -> int:
     from cl_bench.backends.deepspeed_backend import free_port
 
     return free_port()
+
+
+def test_a_rank_killed_stops_the_run_in_one_line_and_resume_goes_on(trace_dir, tmp_path):
+    """Rank 1's process killed (SIGKILL: the out-of-memory killer, a node's fault) once
+    stage 1 is saved: rank 0's next collective fails (gloo: "Connection reset by peer"),
+    and rank 0 says so in one line with what is saved and the line that continues the run
+    (Backend.lost_peer), not a traceback; DeepSpeed's launcher ends the launch. The record
+    says failed, and --resume finishes it as the torch backend's run. Mutation caught:
+    lost_peer always False (rank 0's traceback, no line)."""
+    import psutil
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run_cli(*smoke_args(trace_dir, one, "--method", "seqft")) == 0
+    argv = smoke_args(trace_dir, two, "--method", "seqft", "--nproc", "2", "--run-id", "r",
+                      *deepspeed_args(tmp_path, 2))
+    proc = subprocess.Popen([sys.executable, "-m", "cl_bench.cli", *map(str, argv)], env=launch_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 600
+    while not checkpoint.has_checkpoint(two / "r"):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.05)
+    rank1 = [p for p in psutil.Process(proc.pid).children(recursive=True)
+             if p.environ().get("RANK") == "1" and "cl_bench.cli" in p.cmdline()]
+    assert len(rank1) == 1
+    rank1[0].kill()
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in out, out[-3000:]
+    line = next(line for line in out.splitlines() if "a collective between the ranks failed" in line)
+    assert line.startswith(f"{two / 'r'}: a collective between the ranks failed (") and (
+        "another rank's process ended or stopped answering" in line), line
+    record = json.loads((two / "r" / "run.json").read_text())
+    assert record["status"] == "failed" and f"the run stopped; {record['stages_done']} of 3 stages are saved" in line
+    said = shlex.split(line.split("continue with: ", 1)[1])
+    assert said[1:] == ["run", "--resume", str(two / "r"), "--nproc", "2"], said
+    # that line, here in one process (the rank count may change on --resume; a launch costs ~40 s)
+    assert run_cli(*said[1:4], "--no-progress") == 0
+    assert json.loads((two / "r" / "run.json").read_text())["status"] == "complete"
+    assert_same_run(only_run(one), two / "r")
 
 
 if __name__ == "__main__":  # a rank of test_two_ranks_agree_with_one's launch

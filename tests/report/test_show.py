@@ -36,6 +36,11 @@ def test_show_says_how_far_a_run_that_is_not_complete_is(trace_dir, tmp_path, mo
     (run_dir / results.RUN_FILE).write_text(json.dumps({**record, "backend": {"name": "deepspeed", "world_size": 4}}))
     assert _show(capsys, run_dir).endswith(f"--resume {run_dir} (on the 4 ranks of an outer launcher, as it ran: "
                                            f"torchrun or deepspeed)")
+    # a failed run goes on with --resume too (a rank's process killed, Backend.lost_peer; mutation
+    # caught: no line for it)
+    (run_dir / results.RUN_FILE).write_text(json.dumps({**record, "status": "failed", "error": "RuntimeError: x"}))
+    assert _show(capsys, run_dir) == (f"status: failed (RuntimeError: x), 1 of 3 stages done; once its cause is "
+                                      f"fixed, continue with: cl-bench run --resume {run_dir}")
     record["status"] = "running"
     (run_dir / results.RUN_FILE).write_text(json.dumps(record))
     assert _show(capsys, run_dir).startswith("status: stopped (running when its process ended: killed?), 1 of 3")
