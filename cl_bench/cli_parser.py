@@ -187,7 +187,9 @@ def _add_leaderboard(sub) -> None:
                                    "is no such file). --runs DIR reads any folder of run folders instead.")
     p.add_argument("--runs", type=Path, default=None,
                    help="folder of run folders (default: the headline leaderboard, results/headline.yaml)")
-    p.add_argument("--format", choices=["md", "csv", "latex"], default="md")
+    p.add_argument("--format", choices=["md", "csv", "latex"], default="md",
+                   help="md: Markdown; csv: raw numbers; latex: a booktabs tabular (\\usepackage{booktabs}) that "
+                        "pdflatex sets (±, ≠, Δ written as math)")
     p.add_argument("--view", choices=["scores", "winners", "forms", "sources", "published"], default="scores",
                    help="scores: the leaderboard (default); winners: the best row on each score with the rows "
                         "not distinguishable from it (on BWT only rows whose Gain is above 0 at 95%%), the cheapest on "

@@ -22,7 +22,6 @@ import logging
 from pathlib import Path
 
 import pandas as pd
-from tabulate import tabulate
 
 from cl_bench.benchmark import DEFAULT as DEFAULT_BENCHMARK
 from cl_bench.errors import UserError
@@ -31,7 +30,7 @@ from cl_bench.metrics.cl import SUMMARY
 from cl_bench.metrics.published import trace_bwt, trace_op, treelora_bwt
 from cl_bench.record.io import PREDICTIONS_FILE, read_jsonl, stage_number
 from cl_bench.record.schema import RunRecord
-from cl_bench.report.leaderboard.table import FORMATS, MISSING
+from cl_bench.report.leaderboard.table import FORMATS, MISSING, render
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +127,6 @@ def format_table(df: pd.DataFrame, fmt: str = "md") -> str:
     numeric = [c for c in df.columns if c not in RUN_COLUMNS]
     rows = [[str(r[c]) for c in RUN_COLUMNS] + [MISSING if pd.isna(r[c]) else f"{r[c]:.2f}" for c in numeric]
             for r in df.to_dict("records")]
-    table = tabulate(rows, list(df.columns), tablefmt="pipe" if fmt == "md" else "latex_booktabs",
-                     colalign=["left"] * 4 + ["right"] * (len(df.columns) - 4), disable_numparse=True)
+    table = render(rows, list(df.columns), fmt, ["left"] * 4 + ["right"] * (len(df.columns) - 4))
     legend = "\n".join(("- " if fmt == "md" else "% ") + line for line in sources())
     return f"{table}\n\n{legend}\n"

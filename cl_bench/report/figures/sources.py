@@ -185,9 +185,8 @@ def build_table(runs) -> "pd.DataFrame":
 
 def format_table(df, fmt: str = "md") -> str:
     """table()'s frame as 'md', 'latex' (ρ with its interval in one cell) or 'csv' (raw numbers)."""
-    from tabulate import tabulate
-
     from cl_bench.report.leaderboard import MISSING
+    from cl_bench.report.leaderboard.table import render
 
     if fmt == "csv":
         return df.to_csv(index=False, na_rep="")
@@ -204,5 +203,4 @@ def format_table(df, fmt: str = "md") -> str:
              f"{r['Routing JS']:.2f}", f"{r['1 − CKA']:.4f}", rho(r, "routing"), p(r["p routing"]),
              rho(r, "CKA"), p(r["p CKA"]), r["Verdict"]] for r in df.to_dict("records")]
     align = ["left"] * 3 + ["right"] * 9 + ["left"]
-    return tabulate(rows, COLUMNS, tablefmt="pipe" if fmt == "md" else "latex_booktabs", colalign=align,
-                    disable_numparse=True) + "\n"
+    return render(rows, COLUMNS, fmt, align) + "\n"

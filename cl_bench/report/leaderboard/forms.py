@@ -4,14 +4,13 @@ content (metrics.cl.bwt_split), with intervals and whether each part is told apa
 from __future__ import annotations
 
 import pandas as pd
-from tabulate import tabulate
 
 from cl_bench.metrics import bootstrap
 from cl_bench.metrics.cl import summaries
 from cl_bench.metrics.intervals import point_summaries
 from cl_bench.record.schema import RunRecord
 from cl_bench.report.leaderboard.rows import build_rows, entries, group_replicates
-from cl_bench.report.leaderboard.table import MISSING, method_labels, score_cell
+from cl_bench.report.leaderboard.table import MISSING, method_labels, render, score_cell
 
 FORM_PARTS = summaries("bwt", "bwt_format", "bwt_content")
 FORM_MARKS = ("Format ≠ 0", "Content ≠ 0")
@@ -55,5 +54,4 @@ def format_forms_table(df: pd.DataFrame, fmt: str = "md") -> str:
     rows = [[r["Method"], str(r["Profile"]), str(r["Precision"]), str(r["Runs"])]
             + [score_cell(*(r[f"{part.label} {x}"] for x in ("mean", "std", "lo", "hi"))) for part in FORM_PARTS]
             + [MISSING if r[m] is None else r[m] for m in FORM_MARKS] for r in df.to_dict("records")]
-    return tabulate(rows, headers, tablefmt="pipe" if fmt == "md" else "latex_booktabs",
-                    colalign=["left"] * 3 + ["right"] * (len(headers) - 3), disable_numparse=True) + "\n"
+    return render(rows, headers, fmt, ["left"] * 3 + ["right"] * (len(headers) - 3)) + "\n"

@@ -96,10 +96,22 @@ def format_table(df: pd.DataFrame, fmt: str = "md") -> str:
     if fmt not in FORMATS:
         raise UserError(f"unknown leaderboard format {fmt!r}; choose one of {', '.join(FORMATS)}")
     headers, rows = display_rows(df)
-    align = ["left"] * 4 + ["right"] * (len(headers) - 4)
-    tablefmt = "pipe" if fmt == "md" else "latex_booktabs"
-    # disable_numparse: the cells are already formatted; tabulate would re-round "45.0" to "45"
-    return tabulate(rows, headers, tablefmt=tablefmt, colalign=align, disable_numparse=True) + "\n"
+    return render(rows, headers, fmt, ["left"] * 4 + ["right"] * (len(headers) - 4)) + "\n"
+
+
+# The symbols of the cells and headers that pdflatex has no text glyph for (its input is
+# UTF-8, but "Unicode character ≠ not set up for use with LaTeX"): as LaTeX writes them
+LATEX_SYMBOLS = {"±": r"$\pm$", "≠": r"$\neq$", "Δ": r"$\Delta$", "ρ": r"$\rho$", "α": r"$\alpha$",
+                 "λ": r"$\lambda$", "−": "$-$", "–": "--"}
+
+
+def render(rows: list[list], headers: list[str], fmt: str, colalign: list[str] | None = None) -> str:
+    """Formatted cells as a Markdown pipe table ('md') or a LaTeX booktabs one ('latex',
+    pdflatex-safe: LATEX_SYMBOLS). disable_numparse: the cells are already formatted;
+    tabulate would re-round "45.0" to "45"."""
+    text = tabulate(rows, headers, tablefmt="pipe" if fmt == "md" else "latex_booktabs", colalign=colalign,
+                    disable_numparse=True)
+    return text.translate(str.maketrans(LATEX_SYMBOLS)) if fmt == "latex" else text
 
 
 

@@ -4,13 +4,12 @@ ranked row on each score and on each cost, and the rows that cannot be told apar
 from __future__ import annotations
 
 import pandas as pd
-from tabulate import tabulate
 
 from cl_bench.benchmark import DEFAULT as DEFAULT_BENCHMARK
 from cl_bench.metrics.cl import SUMMARY, summaries
 from cl_bench.record.schema import RunRecord
 from cl_bench.report.leaderboard.rows import build_rows, distinct, entries, group_replicates
-from cl_bench.report.leaderboard.table import MISSING, humanise, method_labels, score_cell
+from cl_bench.report.leaderboard.table import MISSING, humanise, method_labels, render, score_cell
 
 WINNER_SCORES = summaries("last_acc", "bwt", "learn_gain")
 # A row that did not learn its tasks has nothing to forget: on a summary that `needs_learning`
@@ -81,5 +80,4 @@ def build_winners_table(runs: list[RunRecord]) -> pd.DataFrame:
 def format_winners_table(df: pd.DataFrame, fmt: str = "md") -> str:
     if fmt == "csv":
         return df.to_csv(index=False, na_rep="")
-    return tabulate(df.values.tolist(), list(df.columns), tablefmt="pipe" if fmt == "md" else "latex_booktabs",
-                    disable_numparse=True) + "\n"
+    return render(df.values.tolist(), list(df.columns), fmt) + "\n"
