@@ -98,19 +98,36 @@ def cmd_run(args) -> int:
             print(f"\n{resume.left_by_interrupt(run, resume_command(run.record, run.run_dir))}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as exc:
-        if not run.backend.lost_peer(exc):
+        if args.debug or not run.backend.lost_peer(exc):
             raise
-        if run.backend.is_main:  # the other ranks' errors say the same: one line, from rank 0
-            said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            stopped = resume.left_by_interrupt(run, resume_command(run.record, run.run_dir), "the run stopped")
-            print(f"\n{run.run_dir}: a collective between the ranks failed ({said}): another rank's process "
-                  f"ended or stopped answering (killed? out of memory? its output says why); {stopped}",
-                  file=sys.stderr)
-        return EXIT_LOST_RANK
+        return _lost_rank(run, exc, stop)
     if run.backend.is_main:
         print(format_matrix(record, record.intervals))
         print(f"\nrun record: {run.run_dir / 'run.json'}")
     return 0
+
+
+def _lost_rank(run, exc: Exception, stop) -> int:
+    """A collective failed for want of a rank (Backend.lost_peer): one line, from rank 0,
+    which recorded the run failed; where rank 0 is the rank that ended (its record stays
+    `running`), from the others. The launcher's SIGTERM, which follows, cannot cut it."""
+    from cl_bench.report.text import resume_command
+    from cl_bench.run import resume
+
+    if stop is not None:
+        stop.settled = True
+    who = "another rank's" if run.backend.is_main else None if resume.stop_recorded(run.run_dir) else "rank 0's"
+    if who is None:
+        return EXIT_LOST_RANK
+    said = str(exc).strip().splitlines()[0]
+    ended = (f"{run.run_dir}: a collective between the ranks failed ({said}): {who} process ended or stopped "
+             f"answering (killed? out of memory? its output says why; --debug shows this one's traceback)")
+    if run.record.status == "complete":  # at the last barrier: the record and predictions are written
+        print(f"\n{ended}; the run is complete", file=sys.stderr)
+        return 0
+    again = resume.left_by_interrupt(run, resume_command(run.record, run.run_dir), "the run stopped")
+    print(f"\n{ended}; {again}", file=sys.stderr)
+    return EXIT_LOST_RANK
 
 
 def _announce(run_dir: Path, config, method_args, record) -> None:

@@ -97,5 +97,5 @@ def command_flags(command: str) -> list[str]:
 def last_command(resumes, command) -> str:
     """The command that last ran a run, from its record's fields: its last --resume's,
     else the one that started it ("" where the record holds neither)."""
-    last = resumes[-1] if resumes and isinstance(resumes[-1], dict) else {}
+    last = resumes[-1] if isinstance(resumes, list) and resumes and isinstance(resumes[-1], dict) else {}
     return last.get("command") or command or ""

@@ -133,6 +133,11 @@ REFUSED_SWITCHES = {
 }
 
 
+# What a collective's error says when a peer went away (lower case; DeepSpeedBackend.lost_peer)
+LOST_PEER = ("connection reset by peer", "connection closed by peer", "broken pipe", "timed out",
+             "remote process exited", "communicator was aborted")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -486,15 +491,14 @@ class DeepSpeedBackend(Backend):
                             f"--backend torch")
 
     def lost_peer(self, exc: BaseException) -> bool:
-        """A RuntimeError raised inside torch.distributed, on N ranks: a collective failed
-        (gloo: "Connection reset by peer" when another rank's process ended, a time-out
-        when it hangs)."""
-        if self.world_size == 1 or not isinstance(exc, RuntimeError) or exc.__traceback__ is None:
-            return False
-        tb = exc.__traceback__
-        while tb.tb_next is not None:
-            tb = tb.tb_next
-        return f"{os.sep}torch{os.sep}distributed{os.sep}" in tb.tb_frame.f_code.co_filename
+        """On N ranks, a RuntimeError (torch's DistError is one) that says a peer went away:
+        gloo's "Connection reset/closed by peer" or "Broken pipe" when another rank's
+        process ended, a time-out when it hangs, NCCL's abort. By what it says, not where
+        it was raised: ZeRO-3 waits on its gathers in DeepSpeed's code; and a collective
+        called wrongly (sizes that differ, a rank that does not exist) says otherwise and
+        keeps its traceback."""
+        text = str(exc).lower()
+        return self.world_size > 1 and isinstance(exc, RuntimeError) and any(s in text for s in LOST_PEER)
 
     def load_optimizer(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         """Held as a phase's close() leaves it: in host memory, and at ZeRO-3 each rank

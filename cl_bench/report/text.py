@@ -112,5 +112,6 @@ def status_line(record: RunRecord, run_dir: Path) -> str:
     if record.status == "running":  # its process is gone without writing its end
         return f"status: stopped ({record.status} when its process ended: killed?), {done}; {again}"
     why = f" ({record.error})" if record.error else ""
-    after = {"interrupted": f"; {again}", "failed": f"; once its cause is fixed, {again}"}
+    # a diverged run (failed_at) would diverge again: its error says to start a new one
+    after = {"interrupted": f"; {again}", "failed": "" if record.failed_at else f"; once its cause is fixed, {again}"}
     return f"status: {record.status}{why}, {done}" + after.get(record.status, "")

@@ -249,6 +249,25 @@ def enter_in_stage(run: Run, at: InStage) -> None:
                  at.stage + 1, at.step, at.phase + 1)
 
 
+def stop_recorded(run_dir: Path, wait_s: float = 5.0) -> bool:
+    """Whether the run's record says it stopped (status no longer `running`) within
+    `wait_s`: on a rank other than 0 whose collective failed (Backend.lost_peer), that
+    rank 0 is alive and says what the stop left; if not, rank 0 is the rank that ended."""
+    import json
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if json.loads((run_dir / results.RUN_FILE).read_text(encoding="utf-8")).get("status") != "running":
+                return True
+        except (OSError, ValueError, AttributeError):  # not there, or caught mid-write: look again
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+
+
 def left_by_interrupt(run: Run, again: str, what: str = "interrupted") -> str:
     """What an interrupt (or another stop: `what`) leaves, in one line: resume continues
     after the last checkpoint, or, with none yet, starts the run again in its folder.

@@ -36,8 +36,10 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 @dataclass
 class Stop:
-    """The signals received while a run was guarded (empty: none)."""
+    """The signals received while a run was guarded (empty: none). `settled`: the run's
+    end is being said (a rank lost, cl_bench/cli.py): a signal is noted, not raised."""
     signals: list[int] = field(default_factory=list)
+    settled: bool = False
 
     @property
     def fired(self) -> bool:
@@ -65,7 +67,7 @@ def interrupt_on_signals(stop: Stop | None = None) -> Iterator[Stop]:
         return
 
     def handler(signum, frame):
-        first = not stop.fired
+        first = not stop.fired and not stop.settled
         stop.signals.append(signum)
         if first:
             raise KeyboardInterrupt(signal.Signals(signum).name)

@@ -151,6 +151,47 @@ def test_paper_config_is_the_papers_setup():
     assert ds_config(config, 2, True)["gradient_accumulation_steps"] == 2  # still 32 a step
 
 
+def test_a_lost_rank_is_told_from_a_collective_called_wrongly(tmp_path):
+    """Backend.lost_peer, which turns a killed rank into one line (cl_bench/cli.py), reads
+    what the error says: gloo's words for a peer gone (as a killed rank's peer raised
+    them, tests/backends/test_deepspeed_ranks.py) are a lost rank; a collective called
+    wrongly (the real errors of a one-rank gloo group: sizes that differ, a rank that does
+    not exist) keeps its traceback, and so does everything in one process. Mutation
+    caught: lost_peer by where the error was raised (inside torch.distributed, as first
+    written): the wrong calls counted as lost ranks."""
+    import torch.distributed as dist
+    from types import SimpleNamespace
+
+    from cl_bench.backends.base import Backend
+    from cl_bench.backends.deepspeed_backend import DeepSpeedBackend
+
+    gone = [RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                         "[127.0.0.1]:61641: Connection reset by peer. This is typically caused by a remote worker "
+                         "hanging or bugs in the application."),
+            RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer "
+                         "[127.0.0.1]:29500"),
+            RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+                         "1800000ms for recv operation to complete")]
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    wrong = []
+    try:
+        for call in (lambda: dist.all_gather([torch.zeros(2)], torch.zeros(3)),
+                     lambda: dist.broadcast(torch.zeros(2), src=3)):
+            with pytest.raises(RuntimeError) as caught:
+                call()
+            wrong.append(caught.value)
+    finally:
+        if made:
+            dist.destroy_process_group()
+    ranks = SimpleNamespace(world_size=2)
+    assert all(DeepSpeedBackend.lost_peer(ranks, e) for e in gone)
+    assert not any(DeepSpeedBackend.lost_peer(ranks, e) for e in wrong), [str(e) for e in wrong]
+    assert not any(DeepSpeedBackend.lost_peer(SimpleNamespace(world_size=1), e) for e in gone)
+    assert not any(Backend.lost_peer(ranks, e) for e in gone)  # the torch backend: one process
+
+
 def test_launch_arguments(trace_dir, tmp_path, capsys, monkeypatch):
     from cl_bench.cli import build_parser
 

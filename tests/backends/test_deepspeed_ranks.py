@@ -486,42 +486,71 @@ def _port() -> int:
     return free_port()
 
 
-def test_a_rank_killed_stops_the_run_in_one_line_and_resume_goes_on(trace_dir, tmp_path):
-    """Rank 1's process killed (SIGKILL: the out-of-memory killer, a node's fault) once
-    stage 1 is saved: rank 0's next collective fails (gloo: "Connection reset by peer"),
-    and rank 0 says so in one line with what is saved and the line that continues the run
-    (Backend.lost_peer), not a traceback; DeepSpeed's launcher ends the launch. The record
-    says failed, and --resume finishes it as the torch backend's run. Mutation caught:
-    lost_peer always False (rank 0's traceback, no line)."""
+def _kill_rank_once(argv: list[str], rank: int, ready) -> tuple[int, str]:
+    """Launch `argv` (cl-bench run ... --nproc 2), SIGKILL rank `rank`'s process once
+    `ready()` holds, and return the launch's exit code and output."""
     import psutil
 
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert run_cli(*smoke_args(trace_dir, one, "--method", "seqft")) == 0
-    argv = smoke_args(trace_dir, two, "--method", "seqft", "--nproc", "2", "--run-id", "r",
-                      *deepspeed_args(tmp_path, 2))
     proc = subprocess.Popen([sys.executable, "-m", "cl_bench.cli", *map(str, argv)], env=launch_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 600
-    while not checkpoint.has_checkpoint(two / "r"):
+    while not ready():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
         time.sleep(0.05)
-    rank1 = [p for p in psutil.Process(proc.pid).children(recursive=True)
-             if p.environ().get("RANK") == "1" and "cl_bench.cli" in p.cmdline()]
-    assert len(rank1) == 1
-    rank1[0].kill()
+    target = [p for p in psutil.Process(proc.pid).children(recursive=True)
+              if p.environ().get("RANK") == str(rank) and "cl_bench.cli" in p.cmdline()]
+    assert len(target) == 1
+    target[0].kill()
     out, _ = proc.communicate(timeout=300)
-    assert proc.returncode != 0 and "Traceback" not in out, out[-3000:]
-    line = next(line for line in out.splitlines() if "a collective between the ranks failed" in line)
-    assert line.startswith(f"{two / 'r'}: a collective between the ranks failed (") and (
-        "another rank's process ended or stopped answering" in line), line
-    record = json.loads((two / "r" / "run.json").read_text())
-    assert record["status"] == "failed" and f"the run stopped; {record['stages_done']} of 3 stages are saved" in line
+    return proc.returncode, out
+
+
+def test_a_rank_killed_stops_the_run_in_one_line_and_resume_goes_on(trace_dir, tmp_path):
+    """A rank's process killed (SIGKILL: the out-of-memory killer, a node's fault): the
+    other's next collective fails (gloo: "Connection reset by peer"), and the run stops
+    in one line naming what is saved and the line that continues it (Backend.lost_peer),
+    not a traceback; DeepSpeed's launcher ends the launch. Rank 1 killed once stage 1 is
+    saved: rank 0 says it and records the run failed. Rank 0 killed in the resumed launch:
+    its record stays `running`, and rank 1 says it (resume.stop_recorded), the launcher's
+    SIGTERM not cutting it (Stop.settled). ZeRO-3: the failure surfaces in DeepSpeed's
+    wait on a gather, not in torch.distributed. --resume then finishes the run as the
+    torch backend's. Mutations caught: lost_peer always False (rank 0's traceback, no
+    line); rank 1 silent (no line once rank 0 is gone); not settled (rank 1's line cut
+    by the launcher's SIGTERM: "interrupted before the run folder was made")."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_dir = two / "r"
+    assert run_cli(*smoke_args(trace_dir, one, "--method", "seqft")) == 0
+    argv = smoke_args(trace_dir, two, "--method", "seqft", "--nproc", "2", "--run-id", "r",
+                      *deepspeed_args(tmp_path, 3))
+
+    def said_once(out: str, who: str) -> str:
+        lines = [line for line in out.splitlines() if "a collective between the ranks failed" in line]
+        assert len(lines) == 1 and "Traceback" not in out, out[-3000:]
+        assert lines[0].startswith(f"{run_dir}: a collective between the ranks failed (") and (
+            f"{who} process ended or stopped answering" in lines[0]), lines[0]
+        return lines[0]
+
+    code, out = _kill_rank_once(argv, 1, lambda: checkpoint.has_checkpoint(run_dir))
+    line = said_once(out, "another rank's")
+    record = json.loads((run_dir / "run.json").read_text())
+    assert code != 0 and record["status"] == "failed" and record["stages_done"] == 1  # stage 2 needs rank 1
+    assert "the run stopped; 1 of 3 stages are saved" in line
     said = shlex.split(line.split("continue with: ", 1)[1])
-    assert said[1:] == ["run", "--resume", str(two / "r"), "--nproc", "2"], said
+    assert said[1:] == ["run", "--resume", str(run_dir), "--nproc", "2"], said
+
+    def resumed() -> bool:  # the resumed launch has trained and recorded a stage: inside execute
+        with contextlib.suppress(ValueError):
+            return json.loads((run_dir / "run.json").read_text())["stages_done"] == record["stages_done"] + 1
+        return False
+
+    code, out = _kill_rank_once([*said[1:], "--no-progress"], 0, resumed)
+    line = said_once(out, "rank 0's")
+    assert code != 0 and json.loads((run_dir / "run.json").read_text())["status"] == "running"
+    assert shlex.split(line.split("continue with: ", 1)[1])[1:] == said[1:]
     # that line, here in one process (the rank count may change on --resume; a launch costs ~40 s)
     assert run_cli(*said[1:4], "--no-progress") == 0
-    assert json.loads((two / "r" / "run.json").read_text())["status"] == "complete"
-    assert_same_run(only_run(one), two / "r")
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "complete"
+    assert_same_run(only_run(one), run_dir)
 
 
 if __name__ == "__main__":  # a rank of test_two_ranks_agree_with_one's launch

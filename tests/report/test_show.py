@@ -41,6 +41,10 @@ def test_show_says_how_far_a_run_that_is_not_complete_is(trace_dir, tmp_path, mo
     (run_dir / results.RUN_FILE).write_text(json.dumps({**record, "status": "failed", "error": "RuntimeError: x"}))
     assert _show(capsys, run_dir) == (f"status: failed (RuntimeError: x), 1 of 3 stages done; once its cause is "
                                       f"fixed, continue with: cl-bench run --resume {run_dir}")
+    # but not one whose loss diverged: resumed, it would diverge again (its error says to start anew)
+    (run_dir / results.RUN_FILE).write_text(json.dumps({**record, "status": "failed", "error": "lower the lr",
+                                                        "failed_at": {"stage": 1, "step": 3}}))
+    assert _show(capsys, run_dir) == "status: failed (lower the lr), 1 of 3 stages done"
     record["status"] = "running"
     (run_dir / results.RUN_FILE).write_text(json.dumps(record))
     assert _show(capsys, run_dir).startswith("status: stopped (running when its process ended: killed?), 1 of 3")
