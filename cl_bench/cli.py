@@ -110,16 +110,24 @@ def cmd_run(args) -> int:
 def _lost_rank(run, exc: Exception, stop) -> int:
     """A collective failed for want of a rank (Backend.lost_peer): one line, from rank 0,
     which recorded the run failed; where rank 0 is the rank that ended (its record stays
-    `running`), from the others. The launcher's SIGTERM, which follows, cannot cut it."""
+    `running`), from the first of the others to take the run's lock, which rank 0 held.
+    The launcher's SIGTERM, which follows, cannot cut it."""
+    from cl_bench.record.io import lock_run
     from cl_bench.report.text import resume_command
     from cl_bench.run import resume
 
     if stop is not None:
         stop.settled = True
-    who = "another rank's" if run.backend.is_main else None if resume.stop_recorded(run.run_dir) else "rank 0's"
-    if who is None:
-        return EXIT_LOST_RANK
-    said = str(exc).strip().splitlines()[0]
+    who = "another rank's"
+    if not run.backend.is_main:
+        if resume.stop_recorded(run.run_dir):  # rank 0 is alive and says it
+            return EXIT_LOST_RANK
+        try:
+            run.lock = lock_run(run.run_dir)  # held until this process ends
+        except UserError:  # another rank took it: that one says it
+            return EXIT_LOST_RANK
+        who = "rank 0's"
+    said = str(exc).strip().splitlines()[0].split(". ")[0][:200]  # gloo's first sentence says it; its advice follows
     ended = (f"{run.run_dir}: a collective between the ranks failed ({said}): {who} process ended or stopped "
              f"answering (killed? out of memory? its output says why; --debug shows this one's traceback)")
     if run.record.status == "complete":  # at the last barrier: the record and predictions are written
