@@ -36,7 +36,7 @@ from cl_bench.errors import UserError, program  # noqa: E402
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-EXIT_LOST_RANK = 1  # a rank of the run ended (Backend.lost_peer): the record says failed, --resume goes on
+EXIT_LOST_RANK = 1  # a rank of the run ended (Backend.lost_peer): --resume goes on from its last checkpoint
 
 
 def cmd_run(args) -> int:

@@ -153,8 +153,9 @@ ARGS = {"ewc": ["--method-arg", "lambda_ewc=1e6"],  # the penalty's gradient dom
 # (ZeroGradients.set_weights) reach the next forward; same edits its gradients on the
 # primary partitions (ZeroGradients.write). Mutation caught (checked by hand): the
 # secondary partitions kept across a step (DeepSpeed's invalidate_secondary_tensor a
-# no-op), the care run parts from the torch backend's. (2 ranks in one group: each secondary partition is the primary's range, a
-# copy of its own; the by-hand runs on 4 ranks in 2 groups of 2, docs/running.md.)
+# no-op), the care run parts from the torch backend's. (2 ranks in one group: each
+# secondary partition is the primary's range, a copy of its own; the by-hand runs on 4
+# ranks in 2 groups of 2, docs/running.md.)
 VARIANTS = {"": [], "overlap": [], "acc2": ["--set", "train.batch_size=8"], "add": ["--method-arg", "shared=add"],
             "tied": ["--model", "{out}/tied"], "bf16": [], "norefresh": ["--method-arg", "spectral_routing=false"],
             "persist": [], "bf16add": ["--method-arg", "shared=add"], "hpz": []}
